@@ -1,0 +1,256 @@
+"""Attention backends behind one registry (SPEC §1.4).
+
+Every backend takes q `(batch, q_tokens, heads, head_dim)` and k, v `(batch, kv_tokens, kv_heads,
+head_dim)` (the runtime's layout; strided views are fine) and returns `(batch, q_tokens, heads, head_dim)`.
+`pay_attention` dispatches by `force_attention` or the global choice; a backend that is missing or cannot
+take a call (mask, head dim, dtype, device) hands it to the next one with a one-time notice, never an
+exception mid-run. SDPA takes every call.
+
+Staged cores (`StagedCore`) are the seam for SageAttention cores that expose their quantizers separately:
+the runtime then quantizes v, k and q as each is projected (GPU backends register them).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .notices import notice_once
+
+AUTO = "auto"
+
+
+class AttentionBackend:
+    """One attention implementation. Subclasses set `name` and override `attend`."""
+
+    name = "?"
+    #: a staged core (quantizers separate from the attention), or None
+    staged_core: Optional["StagedCore"] = None
+
+    def unavailable_reason(self) -> Optional[str]:
+        """None when the backend can run in this process, else why not (not installed, no CUDA, ...)."""
+        return None
+
+    def cannot_take(self, q, k, v, mask, softmax_scale) -> Optional[str]:
+        """None when this call can run here, else the reason (mask, head dim, dtype, device)."""
+        return None
+
+    def attend(self, q, k, v, mask=None, softmax_scale=None) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+
+class SDPABackend(AttentionBackend):
+    """`torch.nn.functional.scaled_dot_product_attention`: any device, dtype, mask, GQA."""
+
+    name = "sdpa"
+
+    def attend(self, q, k, v, mask=None, softmax_scale=None) -> torch.Tensor:
+        gqa = k.shape[2] != q.shape[2]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale,
+            enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+def _cuda_half(q) -> Optional[str]:
+    if q.device.type != "cuda":
+        return f"needs a CUDA tensor, got {q.device.type}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16, got {q.dtype}"
+    return None
+
+
+class FlashBackend(AttentionBackend):
+    """FlashAttention (`flash_attn.flash_attn_func`), unmasked, CUDA fp16/bf16, head dim <= 256."""
+
+    name = "flash"
+
+    def unavailable_reason(self):
+        try:
+            importlib.import_module("flash_attn")
+        except Exception as e:  # ImportError, or a broken CUDA build raising anything
+            return f"flash_attn is not importable ({type(e).__name__})"
+        return None
+
+    def cannot_take(self, q, k, v, mask, softmax_scale):
+        if mask is not None:
+            return "it takes no attention mask"
+        if q.shape[-1] > 256 or q.shape[-1] % 8:
+            return f"head dim {q.shape[-1]} is not supported"
+        return _cuda_half(q)
+
+    def attend(self, q, k, v, mask=None, softmax_scale=None):
+        from flash_attn import flash_attn_func
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale)
+
+
+def _sage_version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("sageattention")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class SageBackend(AttentionBackend):
+    """SageAttention's `sageattn` (1.x from PyPI or a user-built 2.x), unmasked, CUDA fp16/bf16."""
+
+    name = "sage"
+
+    def unavailable_reason(self):
+        try:
+            importlib.import_module("sageattention")
+        except Exception as e:
+            return f"sageattention is not importable ({type(e).__name__})"
+        return None
+
+    def major_version(self) -> int:
+        version = _sage_version() or "0"
+        try:
+            return int(version.split(".")[0])
+        except ValueError:
+            return 0
+
+    def cannot_take(self, q, k, v, mask, softmax_scale):
+        if mask is not None:
+            return "it takes no attention mask here"
+        dim = q.shape[-1]
+        if self.major_version() >= 2:
+            if dim > 128:
+                return f"head dim {dim} is over 128"
+        elif dim not in (64, 96, 128):
+            return f"head dim {dim} is not 64, 96 or 128 (SageAttention 1)"
+        if k.shape[2] != q.shape[2] and self.major_version() < 2:
+            return "grouped-query attention needs SageAttention 2"
+        return _cuda_half(q)
+
+    def attend(self, q, k, v, mask=None, softmax_scale=None):
+        from sageattention import sageattn
+        return sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=softmax_scale)
+
+
+class StagedCore:
+    """A SageAttention core whose quantizers run separately from its attention (SPEC §1.4).
+
+    The runtime calls `staged_quantize_v`, then `staged_quantize_k`, then `staged_quantize_q`, each with a
+    one-element list it hands off (the core clears it and keeps only the quantized form), then
+    `staged_attention(out, quantized, settings, mask=None, return_lse=False)` which writes the attention
+    into `out` `(batch, q_tokens, heads, head_dim)` (a strided view of the full output). `settings` comes from
+    `settings(q_shape, k_shape, dtype, device, softmax_scale)`. GPU issues register implementations.
+    """
+
+    name = "staged"
+
+    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None):  # pragma: no cover
+        raise NotImplementedError
+
+    def staged_quantize_v(self, v_list, settings):  # pragma: no cover
+        raise NotImplementedError
+
+    def staged_quantize_k(self, k_list, settings):  # pragma: no cover
+        raise NotImplementedError
+
+    def staged_quantize_q(self, q_list, settings):  # pragma: no cover
+        raise NotImplementedError
+
+    def staged_attention(self, out, quantized, settings, mask=None, return_lse=False):  # pragma: no cover
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+#: order in which backends hand a call on: a backend falls back to the next available one after it
+_FALLBACK_ORDER: list[str] = []
+_global_choice = AUTO
+
+
+def register_backend(backend: AttentionBackend, before: Optional[str] = None) -> None:
+    """Add (or replace) a backend; it falls back to the backends after it (`before` places it)."""
+    _REGISTRY[backend.name] = backend
+    if backend.name in _FALLBACK_ORDER:
+        _FALLBACK_ORDER.remove(backend.name)
+    index = _FALLBACK_ORDER.index(before) if before in _FALLBACK_ORDER else len(_FALLBACK_ORDER) - 1
+    _FALLBACK_ORDER.insert(max(index, 0), backend.name)
+
+
+def unregister_backend(name: str) -> None:
+    if name == "sdpa":
+        raise ValueError("the sdpa backend cannot be removed: it is every call's last fallback")
+    _REGISTRY.pop(name, None)
+    if name in _FALLBACK_ORDER:
+        _FALLBACK_ORDER.remove(name)
+
+
+_FALLBACK_ORDER.append("sdpa")
+_REGISTRY["sdpa"] = SDPABackend()
+register_backend(SageBackend(), before="sdpa")
+register_backend(FlashBackend(), before="sdpa")
+
+
+def backend_names() -> list[str]:
+    """Every known backend, best first (also those not installed)."""
+    return list(_FALLBACK_ORDER)
+
+
+def available_backends() -> dict[str, Optional[str]]:
+    """name -> None if usable in this process, else why not."""
+    return {name: _REGISTRY[name].unavailable_reason() for name in _FALLBACK_ORDER}
+
+
+def set_attention_backend(name: str) -> None:
+    """The backend used by calls that pass no `force_attention` ("auto" picks by what is installed)."""
+    global _global_choice
+    _check_name(name)
+    _global_choice = name
+
+
+def get_attention_backend() -> str:
+    return _global_choice
+
+
+def _check_name(name: str) -> None:
+    if name != AUTO and name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}: use one of {[AUTO] + backend_names()}")
+
+
+def _auto_order() -> list[str]:
+    # SageAttention 1 is slower and hungrier than SDPA on recent GPUs (measured on H200): auto takes only 2.x.
+    order = []
+    for name in _FALLBACK_ORDER:
+        backend = _REGISTRY[name]
+        if isinstance(backend, SageBackend) and backend.major_version() < 2:
+            continue
+        order.append(name)
+    return order
+
+
+def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Optional[str] = None
+                    ) -> AttentionBackend:
+    """The backend that will take this call: the requested one, or the first after it that can."""
+    choice = force_attention or _global_choice
+    _check_name(choice)
+    if choice == AUTO:
+        candidates = _auto_order()
+    else:
+        start = _FALLBACK_ORDER.index(choice)
+        candidates = _FALLBACK_ORDER[start:]
+    for name in candidates:
+        backend = _REGISTRY[name]
+        reason = backend.unavailable_reason() or backend.cannot_take(q, k, v, mask, softmax_scale)
+        if reason is None:
+            return backend
+        if choice != AUTO and name == choice:
+            notice_once(f"backend:{name}:{reason}",
+                        f"[Attention] {name} backend not used: {reason}; falling back to the next one")
+    return _REGISTRY["sdpa"]
+
+
+def pay_attention(q, k, v, mask=None, force_attention: Optional[str] = None, softmax_scale=None
+                  ) -> torch.Tensor:
+    """Attention of q `(B, Nq, H, D)` over k, v `(B, Nk, Hkv, D)` -> `(B, Nq, H, D)`.
+
+    `mask` broadcasts to `(B, H, Nq, Nk)`: boolean (True attends) or additive float.
+    """
+    backend = resolve_backend(q, k, v, mask, softmax_scale, force_attention)
+    return backend.attend(q, k, v, mask=mask, softmax_scale=softmax_scale)

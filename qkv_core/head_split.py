@@ -1,0 +1,74 @@
+"""Attention Head Split: how many groups of heads a call is attended in (SPEC §1.3).
+
+Levels Off/Low/Medium/High (the integers 0-3, or their names) target 1/4/8/16 groups. The group count is the
+divisor of `kv_heads` closest to the target (ties: the smaller), so every group holds whole key/value heads
+and the query heads that share them. Sequences under `SPLIT_FLOOR_TOKENS` query tokens, all batch items
+together, are never split: there is little to save and the extra launches cost time.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+LEVEL_NAMES = ("off", "low", "medium", "high")
+TARGET_GROUPS = (1, 4, 8, 16)
+SPLIT_FLOOR_TOKENS = 8192
+
+Level = Union[int, str]
+
+_global_level = 3
+
+
+class HeadGroup(NamedTuple):
+    """One group of heads. `q`, `kv`: ranges of query and key/value head indices. `mean_squares`: None, or
+    `(q_mean_squares, k_mean_squares)`, float32 `(batch, tokens, 1)`, the per-token mean of squares over
+    all heads, for norms that span heads (`norm_spans_heads=True` with more than one group)."""
+
+    q: range
+    kv: range
+    mean_squares: Optional[tuple] = None
+
+
+def parse_level(level: Level) -> int:
+    """0-3 from an int 0-3 or a name off/low/medium/high (any case); anything else is a ValueError."""
+    if isinstance(level, bool):
+        raise ValueError(f"head_split_level must be 0-3 or one of {LEVEL_NAMES}, not {level!r}")
+    if isinstance(level, int):
+        if 0 <= level <= 3:
+            return level
+    elif isinstance(level, str) and level.strip().lower() in LEVEL_NAMES:
+        return LEVEL_NAMES.index(level.strip().lower())
+    raise ValueError(f"head_split_level must be 0-3 or one of {LEVEL_NAMES}, not {level!r}")
+
+
+def set_head_split_level(level: Level) -> None:
+    """The level used by calls that pass no `head_split_level` (default: High)."""
+    global _global_level
+    _global_level = parse_level(level)
+
+
+def get_head_split_level() -> int:
+    return _global_level
+
+
+def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None) -> int:
+    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens (all batch items
+    together; for cross attention the longer of the two sequences)."""
+    lvl = _global_level if level is None else parse_level(level)
+    if lvl == 0 or tokens < SPLIT_FLOOR_TOKENS or kv_heads <= 1:
+        return 1
+    target = TARGET_GROUPS[lvl]
+    divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
+    return min(divisors, key=lambda d: (abs(d - target), d))
+
+
+def head_groups(heads: int, kv_heads: Optional[int] = None, count: int = 1) -> list[HeadGroup]:
+    """`count` groups of consecutive heads; each holds `kv_heads // count` key/value heads and the
+    `heads // count` query heads that use them (query head i uses key/value head i // (heads // kv_heads))."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if count <= 0 or kv_heads % count:
+        raise ValueError(f"the group count ({count}) must divide kv_heads ({kv_heads})")
+    q_per, kv_per = heads // count, kv_heads // count
+    return [HeadGroup(range(g * q_per, (g + 1) * q_per), range(g * kv_per, (g + 1) * kv_per))
+            for g in range(count)]

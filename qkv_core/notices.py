@@ -1,0 +1,42 @@
+"""One-time notices: log a line once per distinct reason and keep it for the run report.
+
+The runtime never raises mid-run for a fallback (a missing backend, a projection that cannot be split): it
+says so once through here. `drain_notices()` hands the collected lines to whoever reports on a run (the
+ComfyUI nodes show them on the node) and forgets them.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger("qkv_core")
+
+_lock = threading.Lock()
+_seen: set[str] = set()
+_pending: list[str] = []
+
+
+def notice_once(key: str, message: str) -> bool:
+    """Log `message` at INFO the first time `key` is seen; returns True when it was logged now."""
+    with _lock:
+        if key in _seen:
+            return False
+        _seen.add(key)
+        _pending.append(message)
+    logger.info(message)
+    return True
+
+
+def drain_notices() -> list[str]:
+    """The notices logged since the last drain, oldest first; clears the list (not the once-only memory)."""
+    with _lock:
+        out = list(_pending)
+        _pending.clear()
+    return out
+
+
+def reset_notices() -> None:
+    """Forget every notice, so each is logged again once (tests; a new run report)."""
+    with _lock:
+        _seen.clear()
+        _pending.clear()

@@ -1,0 +1,141 @@
+"""Projections by rows: compute output features `[start, stop)` of a projection without the others.
+
+A projection is prepared once per layer call (`prepare(x)`: the weight is cast or patched once, the input
+made ready once), then asked for the rows of one head group at a time. Adapters for other weight types
+(ComfyUI's ops, quantized weights) subclass `RowProjection`; `torch.nn.Linear` is supported here, and any
+other callable runs whole and is sliced (`WholeProjection`).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class PreparedProjection:
+    """A projection ready for one layer call. Holds the input (and any cast weight) until `release()`.
+
+    `rows(start, stop)` returns a new tensor `(*x.shape[:-1], stop - start)` that the caller owns.
+    """
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def full(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the input and cast weights; `rows` must not be called after."""
+
+
+class RowProjection:
+    """A projection whose output rows can be computed separately.
+
+    `not_row_sliceable()` returns None when `rows` computes exact row slices, else a short reason (a weight
+    format or LoRA type with no row slice); the runtime then projects that stream whole (and runs unsplit
+    when the stream is long enough to be split).
+    """
+
+    out_features: Optional[int] = None
+
+    def not_row_sliceable(self) -> Optional[str]:
+        return None
+
+    def prepare(self, x: torch.Tensor) -> PreparedProjection:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class WeightRows(PreparedProjection):
+    """Rows of `x @ weight.T + bias` from an already cast weight `(out, in)` and bias `(out,)` or None."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 on_release: Optional[Callable[[], None]] = None):
+        self.x, self.weight, self.bias, self._on_release = x, weight, bias, on_release
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[start:stop]
+        return F.linear(self.x, self.weight[start:stop], bias)
+
+    def full(self) -> torch.Tensor:
+        return F.linear(self.x, self.weight, self.bias)
+
+    def release(self) -> None:
+        self.x = self.weight = self.bias = None
+        if self._on_release is not None:
+            on_release, self._on_release = self._on_release, None
+            on_release()
+
+
+class LinearRows(RowProjection):
+    """`torch.nn.Linear` by rows: rows of the weight are contiguous, so a slice is a free view."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.linear = linear
+        self.out_features = linear.out_features
+
+    def prepare(self, x: torch.Tensor) -> PreparedProjection:
+        return WeightRows(x, self.linear.weight, self.linear.bias)
+
+
+class WholeThenSlice(PreparedProjection):
+    """Computes the whole projection once, on first use, and hands out column slices of it (copies, so
+    the caller may change them in place)."""
+
+    def __init__(self, prepared: PreparedProjection):
+        self._prepared, self._whole = prepared, None
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = self._prepared.full()
+            self._prepared.release()
+        return self._whole[..., start:stop].clone()
+
+    def full(self) -> torch.Tensor:
+        if self._whole is not None:
+            whole, self._whole = self._whole, None
+            return whole
+        return self._prepared.full()
+
+    def release(self) -> None:
+        self._whole = None
+        self._prepared.release()
+
+
+class _CallOnce(PreparedProjection):
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor):
+        self.fn, self.x = fn, x
+
+    def full(self) -> torch.Tensor:
+        return self.fn(self.x)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.fn(self.x)[..., start:stop].contiguous()
+
+    def release(self) -> None:
+        self.x = None
+
+
+class WholeProjection(RowProjection):
+    """Any callable `x -> y`: it cannot be computed by rows, so it runs whole (once per layer call)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], reason: str = "not a Linear"):
+        self.fn, self.reason = fn, reason
+
+    def not_row_sliceable(self) -> Optional[str]:
+        return self.reason
+
+    def prepare(self, x: torch.Tensor) -> PreparedProjection:
+        return _CallOnce(self.fn, x)
+
+
+def as_row_projection(projection) -> RowProjection:
+    """A `RowProjection` for `projection`: itself, a `torch.nn.Linear`, or any callable (run whole)."""
+    if isinstance(projection, RowProjection):
+        return projection
+    if isinstance(projection, torch.nn.Linear) and type(projection).forward is torch.nn.Linear.forward:
+        return LinearRows(projection)
+    if callable(projection):
+        return WholeProjection(projection, f"{type(projection).__name__} has no row slice")
+    raise ValueError(f"a projection must be a torch.nn.Linear, a RowProjection or a callable, "
+                     f"not {type(projection).__name__}")

@@ -1,0 +1,501 @@
+"""The calls: q/k/v projection and attention by groups of heads (SPEC §1.1-1.3, §1.8).
+
+Hand-off: every tensor-taking entry point takes its tensors inside lists that it clears, so the runtime
+holds the only references and frees each input as soon as the projections no longer need it. Nothing is
+kept after a call returns.
+
+Layout: activations `(batch, tokens, features)` (or `(tokens, features)`, taken as batch 1); q/k/v of a
+head group `(batch, tokens, heads_of_group, head_dim)`; the result `(batch, tokens, heads, head_dim)`.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable, Optional
+
+import torch
+
+from .backends import StagedCore, pay_attention, resolve_backend
+from .head_split import SPLIT_FLOOR_TOKENS, HeadGroup, group_count, head_groups, parse_level
+from .notices import notice_once
+from .prefix import KVPrefix, PrefixLayer
+from .projections import PreparedProjection, WholeThenSlice, as_row_projection
+from .q8 import dequantize_q8_into
+
+ROWS_CHUNK_ELEMENTS = 1 << 23
+
+_OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
+            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant")
+
+
+def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+    """Sets `tensor[:, a:b] = fn(tensor[:, a:b], a, b)` by chunks of tokens (dim 1) of `[start, stop)`, about
+    2^23 elements a chunk: a per-token function (norm, RoPE) applied in place with bounded scratch.
+    `fn` may change its argument in place and return it, or return a new tensor."""
+    stop = tensor.shape[1] if stop is None else stop
+    per_token = max(1, tensor[:, :1].numel())
+    step = max(1, ROWS_CHUNK_ELEMENTS // per_token)
+    for a in range(start, stop, step):
+        b = min(a + step, stop)
+        part = tensor[:, a:b]
+        result = fn(part, a, b)
+        if result is not None and result is not part:
+            part.copy_(result)
+        del part, result
+    return tensor
+
+
+def _take(tensor_list, what: str) -> torch.Tensor:
+    if not isinstance(tensor_list, list) or len(tensor_list) != 1 or not torch.is_tensor(tensor_list[0]):
+        raise ValueError(f"{what} must be a one-element list holding the tensor (the runtime clears it, so it "
+                         f"holds the only reference): pass [{what.removesuffix('_list')}]")
+    tensor = tensor_list[0]
+    tensor_list.clear()
+    if tensor.dim() == 2:
+        tensor = tensor.unsqueeze(0)
+    if tensor.dim() != 3:
+        raise ValueError(f"{what}: expected (batch, tokens, features) or (tokens, features), got "
+                         f"{tuple(tensor.shape)}")
+    return tensor
+
+
+class _Source:
+    """One token stream: its input and the projections that read it (q, k, v, extra: any may be None)."""
+
+    def __init__(self, x: torch.Tensor, **projections):
+        self.x = x
+        self.raw = {name: p for name, p in projections.items() if p is not None}
+        # one module for k and v: projected once (the value gets a copy), so it is prepared once
+        self.shared_kv = "k" in self.raw and self.raw.get("v") is self.raw["k"]
+        self.proj = {name: as_row_projection(p) for name, p in self.raw.items()
+                     if not (name == "v" and self.shared_kv)}
+        self.prepared: dict[str, PreparedProjection] = {}
+        self.tokens = x.shape[1]
+
+    def prepare(self) -> None:
+        """Prepare every projection once for this call; unsliceable ones run whole once and are sliced."""
+        for name, proj in self.proj.items():
+            prepared = proj.prepare(self.x)
+            if proj.not_row_sliceable() is not None:
+                prepared = WholeThenSlice(prepared)
+            self.prepared[name] = prepared
+        self.x = None  # the prepared projections hold the input until released
+
+    def rows(self, name: str, start: int, stop: int, release: bool) -> torch.Tensor:
+        prepared = self.prepared[name]
+        out = prepared.rows(start, stop)
+        if release:
+            prepared.release()
+            del self.prepared[name]
+        return out
+
+    def release(self) -> None:
+        for prepared in self.prepared.values():
+            prepared.release()
+        self.prepared.clear()
+        self.x = None
+
+
+def _join(parts_fn, sources, total_tokens: int, heads: int, head_dim: int, prefix_tokens: int = 0,
+          write_prefix=None) -> torch.Tensor:
+    """Projections of several streams (and an optional prefix) joined along tokens: `(B, N, heads, D)`.
+    A single stream without prefix is returned as projected (no copy)."""
+    if len(sources) == 1 and not prefix_tokens:
+        return parts_fn(sources[0]).unflatten(-1, (heads, head_dim))
+    first = None
+    a = prefix_tokens
+    for source in sources:
+        part = parts_fn(source).unflatten(-1, (heads, head_dim))
+        if first is None:
+            first = torch.empty((part.shape[0], prefix_tokens + total_tokens, heads, head_dim), dtype=part.dtype,
+                                device=part.device)
+            if write_prefix is not None:
+                write_prefix(first[:, :prefix_tokens])
+        first[:, a:a + part.shape[1]] = part
+        a += part.shape[1]
+        del part
+    return first
+
+
+def _sum_squares(t: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc (B, N) float32 += sum over the last two dims of t**2, in float32 by bounded chunks."""
+    def add(part, a, b):
+        acc[:, a:b] += part.float().square().sum(dim=(-2, -1))
+        return part
+    rows_(t, add)
+
+
+class _Call:
+    """State of one call, from the hand-off to the return."""
+
+    def __init__(self, q_sources, kv_sources, heads, head_dim, norm_rope, options):
+        unknown = set(options) - set(_OPTIONS)
+        if unknown:
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are {list(_OPTIONS)}")
+        self.q_sources, self.kv_sources = q_sources, kv_sources
+        self.sources = list(dict.fromkeys(q_sources + kv_sources))
+        self.heads, self.head_dim, self.norm_rope = heads, head_dim, norm_rope
+        o = SimpleNamespace(**{name: options.get(name) for name in _OPTIONS})
+        self.kv_heads = heads if o.kv_heads is None else o.kv_heads
+        self.o = o
+        self._validate()
+
+    # --- checks ----------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        o, heads = self.o, self.heads
+        if heads <= 0 or self.head_dim <= 0:
+            raise ValueError(f"heads ({heads}) and head_dim ({self.head_dim}) must be positive")
+        if self.kv_heads <= 0 or heads % self.kv_heads:
+            raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({self.kv_heads}) for grouped-query "
+                             f"attention; pass kv_heads=heads for plain attention")
+        batches = {s.x.shape[0] for s in self.sources}
+        if len(batches) != 1:
+            raise ValueError(f"all token streams must have the same batch size, got {sorted(batches)}")
+        dtypes = {s.x.dtype for s in self.sources}
+        if len(dtypes) != 1:
+            raise ValueError(f"all token streams must have one dtype, got {sorted(map(str, dtypes))}: cast them "
+                             f"to the model's compute dtype first")
+        if o.head_split_level is not None:
+            parse_level(o.head_split_level)
+        if o.softmax_scale is not None and (o.force_attention != "sdpa" or o.attention_fn is not None):
+            raise ValueError("softmax_scale is only honoured by the SDPA path: pass force_attention='sdpa' and no "
+                             "attention_fn (an attention_fn applies its own scale)")
+        if o.norm_stats is not None and not o.norm_spans_heads:
+            raise ValueError("norm_stats is only used with norm_spans_heads=True: pass both, or neither")
+        if o.fused_quant is not None and o.attention_fn is not None:
+            raise ValueError("fused_quant needs the staged quantizers, which attention_fn turns off: pass one "
+                             "of them")
+        prefix = o.kv_prefix
+        if isinstance(prefix, PrefixLayer):
+            prefix = o.kv_prefix = prefix.kv_prefix()
+        if isinstance(prefix, KVPrefix) and prefix.is_native:
+            if o.attention_mask is not None or o.attention_fn is not None:
+                raise ValueError("a native prefix is attended in a pass of its own, unmasked: drop attention_mask/"
+                                 "attention_fn, or cache the prefix with native=False (q8)")
+        elif prefix is not None and not isinstance(prefix, KVPrefix):
+            if not (isinstance(prefix, (tuple, list)) and len(prefix) == 2 and all(map(torch.is_tensor, prefix))):
+                raise ValueError("kv_prefix must be a (key, value) pair of tensors, a KVPrefix or a PrefixLayer")
+        if prefix is not None:
+            k = prefix[0]
+            if k.dim() != 4 or k.shape[2] != self.kv_heads or k.shape[3] != self.head_dim:
+                raise ValueError(f"kv_prefix keys must be (batch, tokens, kv_heads={self.kv_heads}, "
+                                 f"head_dim={self.head_dim}), got {tuple(k.shape)}")
+            batch = self.sources[0].x.shape[0]
+            if k.shape[0] not in (1, batch):
+                raise ValueError(f"kv_prefix batch {k.shape[0]} must be 1 or the call's batch {batch}")
+        if callable(o.attention_mask) and not torch.is_tensor(o.attention_mask) and self.staged is None:
+            raise ValueError("a callable attention_mask needs a staged SageAttention core: pass a tensor mask "
+                             "(batch, heads or 1, q_tokens, kv_tokens) instead, or use force_attention with a "
+                             "staged backend")
+
+    @property
+    def staged(self) -> Optional[StagedCore]:
+        if not hasattr(self, "_staged"):
+            self._staged = None
+            if self.o.attention_fn is None:
+                x = self.sources[0].x
+                spec = SimpleNamespace(shape=(x.shape[0], 1, self.heads, self.head_dim), dtype=x.dtype,
+                                       device=x.device)
+                kv_spec = SimpleNamespace(shape=(x.shape[0], 1, self.kv_heads, self.head_dim), dtype=x.dtype,
+                                          device=x.device)
+                mask = self.o.attention_mask
+                tensor_mask = mask if torch.is_tensor(mask) else None
+                self.backend = resolve_backend(spec, kv_spec, kv_spec, tensor_mask, self.o.softmax_scale,
+                                               self.o.force_attention)
+                self._staged = self.backend.staged_core
+        return self._staged
+
+    # --- split plan ------------------------------------------------------------------------------------
+    def _plan(self) -> list[HeadGroup]:
+        o = self.o
+        batch = self.sources[0].x.shape[0]
+        q_tokens = sum(s.tokens for s in self.q_sources)
+        kv_tokens = sum(s.tokens for s in self.kv_sources)
+        self.q_tokens, self.kv_tokens, self.batch = q_tokens, kv_tokens, batch
+        count = 1
+        if o.split_heads is not False:
+            count = group_count(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level)
+        if count > 1:
+            for source in self.sources:
+                if batch * source.tokens < SPLIT_FLOOR_TOKENS:
+                    continue  # short: projected whole once and sliced
+                for name, proj in source.proj.items():
+                    reason = proj.not_row_sliceable()
+                    if reason is not None:
+                        notice_once(f"unsplit:{reason}",
+                                    f"[Attention] Head Split is not applied: the {name} projection cannot be "
+                                    f"computed by rows ({reason})")
+                        count = 1
+        return head_groups(self.heads, self.kv_heads, count)
+
+    # --- norm statistics -------------------------------------------------------------------------------
+    def _mean_squares(self, groups) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+
+        def project(which: str, head_range: range) -> torch.Tensor:
+            sources = self.q_sources if which == "q" else self.kv_sources
+            tokens = self.q_tokens if which == "q" else self.kv_tokens
+            heads = len(head_range)
+            joined = _join(lambda s: s.rows(which, head_range.start * d, head_range.stop * d, release=False),
+                           sources, tokens, heads, d)
+            return joined.flatten(-2)
+
+        if self.o.norm_stats is not None:
+            q_ms, k_ms = self.o.norm_stats(project)
+            return q_ms, k_ms
+        stats = []
+        for which, tokens, total_heads, attr in (("q", self.q_tokens, self.heads, "q"),
+                                                  ("k", self.kv_tokens, self.kv_heads, "kv")):
+            acc = torch.zeros((self.batch, tokens), dtype=torch.float32, device=self._device)
+            for group in groups:
+                part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
+                _sum_squares(part, acc)
+                del part
+            stats.append(acc.div_(total_heads * d).unsqueeze(-1))
+        return stats[0], stats[1]
+
+    # --- prefix ----------------------------------------------------------------------------------------
+    def _prefix_writer(self, which: str, kv_range: range):
+        prefix = self.o.kv_prefix
+        if prefix is None:
+            return 0, None
+        if isinstance(prefix, KVPrefix):
+            values, scales = (prefix.k, prefix.k_scale) if which == "k" else (prefix.v, prefix.v_scale)
+
+            def write(view):
+                dequantize_q8_into(view, values[:, :, kv_range.start:kv_range.stop],
+                                   scales[:, :, kv_range.start:kv_range.stop])
+            return values.shape[1], write
+        tensor = prefix[0] if which == "k" else prefix[1]
+
+        def write(view):
+            view.copy_(tensor[:, :, kv_range.start:kv_range.stop].expand_as(view))
+        return tensor.shape[1], write
+
+    def _group_mask(self, group: HeadGroup):
+        mask = self.o.attention_mask
+        if mask is None or not torch.is_tensor(mask):
+            return mask
+        if mask.dim() == 3:
+            mask = mask.unsqueeze(1)
+        if mask.dim() == 4 and mask.shape[1] == self.heads and self.heads > 1:
+            mask = mask[:, group.q.start:group.q.stop]
+        return mask
+
+    # --- the run ---------------------------------------------------------------------------------------
+    def run(self) -> torch.Tensor:
+        o, d = self.o, self.head_dim
+        x0 = self.sources[0].x
+        self._device, dtype = x0.device, x0.dtype
+        del x0
+        groups = self._plan()
+        staged = self.staged
+        if isinstance(o.kv_prefix, KVPrefix) and o.kv_prefix.is_native and staged is None:
+            for source in self.sources:
+                source.release()
+            raise ValueError("a native prefix needs a staged SageAttention core: use a staged backend, or cache "
+                             "the prefix with native=False (q8)")
+        try:
+            for source in self.sources:
+                source.prepare()
+            if o.norm_spans_heads and len(groups) > 1:
+                q_ms, k_ms = self._mean_squares(groups)
+                groups = [g._replace(mean_squares=(q_ms, k_ms)) for g in groups]
+                del q_ms, k_ms
+            out = torch.empty((self.batch, self.q_tokens, self.heads, d), dtype=dtype, device=self._device)
+            shared_kv = all(s.shared_kv for s in self.kv_sources)
+            for index, group in enumerate(groups):
+                last = index == len(groups) - 1
+                if staged is not None:
+                    self._group_staged(staged, group, out, last, shared_kv)
+                else:
+                    self._group(group, out, last, shared_kv)
+            return out
+        finally:
+            for source in self.sources:
+                source.release()
+
+    def _project_kv(self, group: HeadGroup, last: bool, shared_kv: bool):
+        """(k, v) of a group, k projected but not normalized, v normalized by norm_v and joined with the
+        prefix; with a shared k/v module it is projected once and v gets an independent copy."""
+        d, hk = self.head_dim, len(group.kv)
+        a, b = group.kv.start * d, group.kv.stop * d
+        if shared_kv:
+            k = _join(lambda s: s.rows("k", a, b, release=last), self.kv_sources, self.kv_tokens, hk, d)
+            v = k.clone()
+        else:
+            # a stream whose k and v share one module (beside others that do not) projects it twice here
+            v = _join(lambda s: s.rows("k" if s.shared_kv else "v", a, b, release=last and not s.shared_kv),
+                      self.kv_sources, self.kv_tokens, hk, d)
+            k = None
+        if self.o.norm_v is not None:
+            self.o.norm_v(v, group)
+        prefix_tokens, write = self._prefix_writer("v", group.kv)
+        if prefix_tokens:
+            joined = torch.empty((self.batch, prefix_tokens + self.kv_tokens, hk, d), dtype=v.dtype, device=v.device)
+            write(joined[:, :prefix_tokens])
+            joined[:, prefix_tokens:] = v
+            v = joined
+            del joined
+        if k is None:
+            k = _join(lambda s: s.rows("k", a, b, release=last), self.kv_sources, self.kv_tokens, hk, d)
+        return k, v
+
+    def _join_k_prefix(self, k: torch.Tensor, group: HeadGroup) -> torch.Tensor:
+        prefix_tokens, write = self._prefix_writer("k", group.kv)
+        if not prefix_tokens:
+            return k
+        joined = torch.empty((self.batch, prefix_tokens + k.shape[1], *k.shape[2:]), dtype=k.dtype, device=k.device)
+        write(joined[:, :prefix_tokens])
+        joined[:, prefix_tokens:] = k
+        return joined
+
+    def _project(self, which: str, group_range: range, last: bool) -> torch.Tensor:
+        d = self.head_dim
+        sources = [s for s in self.q_sources if which in s.proj]
+        return _join(lambda s: s.rows(which, group_range.start * d, group_range.stop * d, release=last),
+                     sources, sum(s.tokens for s in sources), len(group_range), d)
+
+    def _group(self, group: HeadGroup, out: torch.Tensor, last: bool, shared_kv: bool) -> None:
+        o = self.o
+        k, v = self._project_kv(group, last, shared_kv)
+        q = self._project("q", group.q, last)
+        extra = self._project("extra", group.q, last) if any("extra" in s.proj for s in self.q_sources) else None
+        if self.norm_rope is not None:
+            self.norm_rope(q, k, group)
+        k = self._join_k_prefix(k, group)
+        if o.attention_fn is not None:
+            qkv = [q, k, v] if extra is None else [q, k, v, extra]
+            del q, k, v, extra
+            result = o.attention_fn(qkv, group)
+            qkv.clear()
+        else:
+            del extra
+            result = pay_attention(q, k, v, mask=self._group_mask(group), force_attention=self.backend.name,
+                                   softmax_scale=o.softmax_scale)
+            del q, k, v
+        out[:, :, group.q.start:group.q.stop] = result
+
+    def _group_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool,
+                      shared_kv: bool) -> None:
+        """v, k and q are quantized as each is projected: at most one of them exists in 16 bits."""
+        o = self.o
+        mask = o.attention_mask
+        callable_mask = mask is not None and not torch.is_tensor(mask)
+        fused = o.fused_quant if not callable_mask else None
+        prefix = o.kv_prefix
+        if isinstance(prefix, KVPrefix) and prefix.is_native:
+            raise NotImplementedError("native prefixes are attended by the SageAttention staged cores (GPU issue)")
+        k, v = self._project_kv(group, last, shared_kv)
+        prefix_tokens = 0 if prefix is None else prefix[0].shape[1]
+        settings = core.settings((self.batch, self.q_tokens, len(group.q), self.head_dim),
+                                 (self.batch, prefix_tokens + self.kv_tokens, len(group.kv), self.head_dim),
+                                 v.dtype, v.device, o.softmax_scale)
+        quantized_v = core.staged_quantize_v([v], settings)
+        del v
+        quantized_k = None
+        if fused is not None and prefix is None:
+            quantized_k = fused(None, k, group, core, settings)
+        if quantized_k is None:
+            if self.norm_rope is not None:
+                self.norm_rope(None, k, group)
+            k = self._join_k_prefix(k, group)
+            if callable_mask:
+                mask(None, k, group)
+            quantized_k = core.staged_quantize_k([k], settings)
+        del k
+        q = self._project("q", group.q, last)
+        quantized_q = fused(q, None, group, core, settings) if fused is not None else None
+        group_mask = self._group_mask(group)
+        if quantized_q is None:
+            if self.norm_rope is not None:
+                self.norm_rope(q, None, group)
+            if callable_mask:
+                group_mask = mask(q, None, group)
+            quantized_q = core.staged_quantize_q([q], settings)
+        del q
+        core.staged_attention(out[:, :, group.q.start:group.q.stop], (quantized_q, quantized_k, quantized_v),
+                              settings, mask=group_mask)
+
+
+@torch.compiler.disable
+def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, norm_rope=None, extra_proj=None,
+                  **options) -> torch.Tensor:
+    """Self-attention of the q/k/v projections of `x` -> `(batch, tokens, heads, head_dim)`.
+
+    `x_list`: `[x]`, `x` `(batch, tokens, features)` or `(tokens, features)` (batch 1); the list is cleared.
+    `q_proj`, `k_proj`, `v_proj`: `torch.nn.Linear`, `RowProjection` or any callable (run whole). k and v
+    produce `kv_heads * head_dim` features. `norm_rope(query, key, group)` normalizes and rotates in place
+    (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
+    `attention_fn` also receives. Options: see the module docs and SPEC §1.1.
+    """
+    x = _take(x_list, "x_list")
+    source = _Source(x, q=q_proj, k=k_proj, v=v_proj, extra=extra_proj)
+    del x
+    return _Call([source], [source], heads, head_dim, norm_rope, options).run()
+
+
+@torch.compiler.disable
+def joint_qkv_attention(streams, heads: int, head_dim: int, norm_rope=None, **options) -> torch.Tensor:
+    """Several token streams projected and joined along tokens in their order, attended as one sequence
+    (MMDiT joint attention). `streams`: `[(x_list, (q_proj, k_proj, v_proj[, extra_proj])), ...]`; each
+    `x_list` is cleared. Returns `(batch, sum of tokens, heads, head_dim)`; `norm_rope` sees the joined
+    tensors (each stream's tokens at its offset)."""
+    if not streams:
+        raise ValueError("joint_qkv_attention needs at least one stream")
+    sources = []
+    for number, stream in enumerate(streams):
+        try:
+            x_list, projections = stream
+            q_proj, k_proj, v_proj, *rest = projections
+        except (TypeError, ValueError):
+            raise ValueError(f"stream {number} must be (x_list, (q_proj, k_proj, v_proj[, extra_proj]))") from None
+        if len(rest) > 1:
+            raise ValueError(f"stream {number} has {3 + len(rest)} projections; at most 4 (q, k, v, extra)")
+        sources.append(_Source(_take(x_list, f"stream {number} x_list"), q=q_proj, k=k_proj, v=v_proj,
+                               extra=rest[0] if rest else None))
+    extras = {"extra" in s.proj for s in sources}
+    if len(extras) > 1:
+        raise ValueError("either every stream carries a fourth projection or none does")
+    return _Call(sources, sources, heads, head_dim, norm_rope, options).run()
+
+
+@torch.compiler.disable
+def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, norm_rope=None,
+                        **options) -> torch.Tensor:
+    """Queries from `x`, keys/values from `context` -> `(batch, tokens of x, heads, head_dim)`. Both lists
+    are cleared. The longer of the two sequences decides the head split."""
+    x = _take(x_list, "x_list")
+    context = _take(context_list, "context_list")
+    if context.shape[0] != x.shape[0] and context.shape[0] == 1:
+        context = context.expand(x.shape[0], -1, -1)
+    q_source = _Source(x, q=q_proj)
+    kv_source = _Source(context, k=k_proj, v=v_proj)
+    del x, context
+    return _Call([q_source], [kv_source], heads, head_dim, norm_rope, options).run()
+
+
+@torch.compiler.disable
+def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch.Tensor:
+    """For models that already hold q, k, v `(batch, tokens, heads, head_dim)`: `qkv_list` `[q, k, v]` is
+    cleared. With a staged core, k is quantized and released before v is quantized (the peak drops by half
+    of k); otherwise the plain attention call. Same results either way."""
+    if not isinstance(qkv_list, list) or len(qkv_list) != 3:
+        raise ValueError("kv_first_attention takes [q, k, v] in a three-element list that it clears")
+    q, k, v = qkv_list
+    qkv_list.clear()
+    backend = resolve_backend(q, k, v, None, None, force_attention)
+    core = backend.staged_core
+    if core is None:
+        result = backend.attend(q, k, v)
+        del q, k, v
+        return result
+    settings = core.settings(tuple(q.shape), tuple(k.shape), q.dtype, q.device)
+    quantized_k = core.staged_quantize_k([k], settings)
+    del k
+    quantized_v = core.staged_quantize_v([v], settings)
+    del v
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    quantized_q = core.staged_quantize_q([q], settings)
+    del q
+    core.staged_attention(out, (quantized_q, quantized_k, quantized_v), settings)
+    return out

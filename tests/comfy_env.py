@@ -1,0 +1,539 @@
+"""Test helper: find and import a real ComfyUI checkout, load node packs, build tiny Wan models.
+
+Imported by the tests as ``import comfy_env`` (pytest puts ``tests/`` on ``sys.path``; tests/ has no
+``__init__.py``). Nothing here is ComfyUI code: it only imports ComfyUI from a checkout found at run time.
+
+Where ComfyUI is looked for (``find_comfyui``):
+  1. ``$COMFYUI_PATH``;
+  2. the ComfyUI root above this repository when the repository is installed as
+     ``ComfyUI/custom_nodes/<pack>`` (the grandparent of the repo root has ``comfy/`` and ``nodes.py``);
+  3. ``~/ComfyUI``.
+Tests call ``require_comfyui()``, which skips the test with a reason when ComfyUI is missing or fails to import.
+
+Import set-up (``setup()``, idempotent, run by ``require_comfyui``):
+  * ComfyUI's root goes to the front of ``sys.path`` (see the note on ``nodes`` below);
+  * a torchvision stub is installed only when ``import torchvision`` fails (ComfyUI imports torchvision
+    unguarded in a few model families; the CPU torch wheels here have no working torchvision);
+  * ``comfy.cli_args.args.cpu = True`` before ``comfy.model_management`` is imported (that module reads the
+    flags at import time and fails on a CPU-only torch without it). Set ``COMFY_ENV_GPU=1`` to leave the
+    flag alone (GPU test runs).
+
+Model helpers: ``make_wan(kind, ...)`` builds a tiny random-weight Wan (float32, CPU) from
+``comfy.supported_models`` configs and returns a ``ModelPatcher``; ``make_inputs`` builds the keyword
+arguments of a direct ``diffusion_model(...)`` call; ``run_sample`` runs ``comfy.sample.sample``.
+Prompt helpers: ``load_custom_node`` (ComfyUI's own loader) and ``run_prompt`` (ComfyUI's own
+``execution.PromptExecutor``, with a stub server: no web server is started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.machinery
+import importlib.util
+import inspect
+import math
+import os
+import sys
+import types
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Kinds accepted by make_wan / make_inputs / run_sample.
+WAN_KINDS = ("t2v", "i2v", "wan22_5b", "vace", "camera")
+
+_state = {"root": None, "error": None, "done": False}
+
+
+# --------------------------------------------------------------------------------------------------
+# Finding ComfyUI
+# --------------------------------------------------------------------------------------------------
+
+def _is_comfy_root(path) -> bool:
+    p = Path(path)
+    return (p / "comfy").is_dir() and (p / "nodes.py").is_file() and (p / "execution.py").is_file()
+
+
+def find_comfyui():
+    """Path of a ComfyUI checkout, or None. Order: $COMFYUI_PATH, ComfyUI above this repo, ~/ComfyUI."""
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        p = Path(env).expanduser().resolve()
+        return p if _is_comfy_root(p) else None   # an explicit path that is wrong is not silently replaced
+    above = REPO_ROOT.parent.parent                    # ComfyUI/custom_nodes/<pack> -> ComfyUI
+    if REPO_ROOT.parent.name == "custom_nodes" and _is_comfy_root(above):
+        return above
+    home = Path.home() / "ComfyUI"
+    if _is_comfy_root(home):
+        return home.resolve()
+    return None
+
+
+def _not_found_reason():
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return f"COMFYUI_PATH={env!r} is not a ComfyUI checkout (needs comfy/, nodes.py, execution.py)"
+    return ("no ComfyUI checkout found (set COMFYUI_PATH, install this repo under ComfyUI/custom_nodes/, "
+            "or put ComfyUI at ~/ComfyUI)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Import set-up
+# --------------------------------------------------------------------------------------------------
+
+def install_torchvision_stub() -> bool:
+    """Install a minimal torchvision stub if the real one cannot be imported. Returns True if stubbed."""
+    existing = sys.modules.get("torchvision")
+    if existing is not None and getattr(existing, "__comfy_env_stub__", False):
+        return True
+    try:
+        import torchvision  # noqa: F401
+        return False
+    except Exception:
+        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
+            del sys.modules[k]
+    # A real __spec__ is needed: transformers calls importlib.util.find_spec("torchvision"), which raises
+    # "ValueError: torchvision.__spec__ is None" for a bare module object.
+    tv = types.ModuleType("torchvision")
+    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None, is_package=True)
+    tv.__path__ = []
+    tv.__version__ = "0.0.0+comfy_env_stub"
+    tv.__comfy_env_stub__ = True
+    tr = types.ModuleType("torchvision.transforms")
+    tr.__spec__ = importlib.machinery.ModuleSpec("torchvision.transforms", None)
+    tv.transforms = tr
+    sys.modules["torchvision"] = tv
+    sys.modules["torchvision.transforms"] = tr
+    return True
+
+
+def _module_root(mod):
+    f = getattr(mod, "__file__", None)
+    if f:
+        return Path(f).resolve().parent
+    locs = getattr(getattr(mod, "__spec__", None), "submodule_search_locations", None) or []
+    return Path(list(locs)[0]).resolve().parent if locs else None
+
+
+def _put_comfy_first(root: Path):
+    # Name clash: ComfyUI's top-level module is `nodes` (nodes.py); this repository also has a `nodes/`
+    # package folder (imported only relatively inside the pack: `from .nodes import ...`). The repo root can
+    # be on sys.path (pytest `pythonpath = ["."]`), so a bare `import nodes` could pick up our folder. We
+    # therefore (1) move ComfyUI's root to sys.path[0] and (2) evict a `nodes` module (and its submodules)
+    # that was already imported from anywhere else, so the next `import nodes` finds ComfyUI's nodes.py.
+    # ComfyUI's other top-level names (execution, server, folder_paths, utils, app, ...) get the same
+    # treatment. Once ComfyUI's `nodes` is in sys.modules, later sys.path changes cannot shadow it.
+    rs = str(root)
+    sys.path[:] = [p for p in sys.path if not (p and _same_path(p, root))]
+    sys.path.insert(0, rs)
+    names = ["nodes", "execution", "server", "folder_paths", "latent_preview", "node_helpers", "utils", "app",
+             "comfy_execution", "comfy_api", "comfy_extras", "comfy_config", "comfyui_version"]
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is not None and _module_root(mod) != root:
+            for k in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+                del sys.modules[k]
+    comfy = sys.modules.get("comfy")
+    if comfy is not None and _module_root(comfy) != root:
+        raise ImportError(f"`comfy` is already imported from {_module_root(comfy)}, not from {root}; "
+                          "run the tests in a fresh process")
+
+
+def _same_path(a, b) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
+
+
+def setup():
+    """Make ComfyUI importable (CPU mode, torchvision stub, sys.path). Idempotent.
+
+    Returns the ComfyUI root Path. Raises ImportError (with the reason) if ComfyUI is missing or broken."""
+    if _state["done"]:
+        if _state["error"] is not None:
+            raise ImportError(_state["error"])
+        _put_comfy_first(_state["root"])   # cheap; keeps the order right if something re-ordered sys.path
+        return _state["root"]
+    root = find_comfyui()
+    if root is None:
+        _state.update(done=True, error=_not_found_reason())
+        raise ImportError(_state["error"])
+    try:
+        _put_comfy_first(root)
+        install_torchvision_stub()
+        import comfy.cli_args
+        if os.environ.get("COMFY_ENV_GPU") != "1":
+            if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:
+                raise ImportError("comfy.model_management was imported before comfy_env could set "
+                                  "comfy.cli_args.args.cpu = True")
+            comfy.cli_args.args.cpu = True
+        import comfy.model_management  # noqa: F401
+        import comfy.model_patcher  # noqa: F401
+        import comfy.supported_models  # noqa: F401
+        import comfy.sample  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - the reason is reported to the skip
+        _state.update(done=True, root=root, error=f"importing ComfyUI from {root} failed: {type(e).__name__}: {e}")
+        raise ImportError(_state["error"]) from e
+    _state.update(done=True, root=root, error=None)
+    return root
+
+
+def require_comfyui():
+    """ComfyUI root Path, or pytest.skip(reason) when ComfyUI is missing or does not import."""
+    import pytest
+    try:
+        return setup()
+    except ImportError as e:
+        pytest.skip(str(e))
+
+
+def comfyui_version():
+    """ComfyUI's version string (comfyui_version.py), e.g. "0.8.0"; None if unknown."""
+    root = setup()
+    ns = {}
+    try:
+        exec((root / "comfyui_version.py").read_text(), ns)
+    except OSError:
+        return None
+    return ns.get("__version__")
+
+
+def version_tuple():
+    v = comfyui_version() or "0"
+    return tuple(int(p) if p.isdigit() else 0 for p in v.split(".")[:3])
+
+
+# --------------------------------------------------------------------------------------------------
+# Node packs
+# --------------------------------------------------------------------------------------------------
+
+def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, require=True):
+    """Import a pack's root ``__init__.py`` as package ``name`` so its relative imports work.
+
+    ``from .nodes import X`` inside the pack resolves to ``<name>.nodes`` (the pack's folder), never to
+    ComfyUI's top-level ``nodes``. Without an ``__init__.py`` an empty package is created so its
+    submodules can still be imported (``importlib.import_module(name + ".qkv_core")``).
+    ``require=True`` first calls ``require_comfyui()`` (skips without ComfyUI)."""
+    if require:
+        require_comfyui()
+    root = Path(repo_root).resolve()
+    cached = sys.modules.get(name)
+    if cached is not None and not reload:
+        if _pack_dir(cached) == root:
+            return cached
+        reload = True
+    if reload:
+        for k in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[k]
+    init = root / "__init__.py"
+    if init.is_file():
+        spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+    else:
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        module.__spec__.submodule_search_locations = [str(root)]
+        module.__path__ = [str(root)]
+        module.__package__ = name
+        sys.modules[name] = module
+    return module
+
+
+def _pack_dir(module):
+    locs = getattr(getattr(module, "__spec__", None), "submodule_search_locations", None) or []
+    return Path(list(locs)[0]).resolve() if locs else None
+
+
+def load_custom_node(path, ignore=()):
+    """Register a custom node folder (or file) through ComfyUI's own ``nodes.load_custom_node``.
+
+    Returns ComfyUI's bool (False when the pack failed to import; ComfyUI only logs the error)."""
+    setup()
+    import nodes
+    fn = nodes.load_custom_node
+    res = fn(str(path), ignore=set(ignore))
+    if inspect.isawaitable(res):
+        res = asyncio.run(res)
+    return res
+
+
+class StubServer:
+    """The part of ``server.PromptServer`` that ``execution.PromptExecutor`` uses; records messages."""
+
+    def __init__(self):
+        self.client_id = None
+        self.last_node_id = None
+        self.last_prompt_id = None
+        self.messages = []
+
+    def send_sync(self, event, data, sid=None):
+        self.messages.append((event, data))
+
+    def send_progress_text(self, text, node_id, sid=None):
+        self.messages.append(("progress_text", {"text": text, "node": node_id}))
+
+    def queue_updated(self):
+        pass
+
+
+def make_executor(server=None):
+    """``execution.PromptExecutor`` with a stub server and the classic cache (v0.8.0 takes ``cache_args``,
+    v0.3.64 ``cache_size``)."""
+    setup()
+    import execution
+    server = server or StubServer()
+    params = inspect.signature(execution.PromptExecutor.__init__).parameters
+    if "cache_args" in params:
+        return execution.PromptExecutor(server, cache_type=execution.CacheType.CLASSIC,
+                                        cache_args={"lru": 0, "ram": 0})
+    return execution.PromptExecutor(server, cache_type=execution.CacheType.CLASSIC, cache_size=0)
+
+
+def run_prompt(prompt, executor=None, prompt_id=None, extra_data=None):
+    """Validate and execute an API-format prompt with ComfyUI's own engine, no web server.
+
+    Returns the executor; check ``executor.success``, ``executor.history_result["outputs"]`` (ui outputs per
+    node id), ``executor.status_messages`` and ``executor.server.messages``. Raises ``AssertionError`` with
+    ComfyUI's messages if validation fails. Pass the same executor again to exercise its output cache."""
+    setup()
+    import execution
+    executor = executor or make_executor()
+    prompt_id = prompt_id or str(uuid.uuid4())
+    valid = asyncio.run(execution.validate_prompt(prompt_id, prompt, None))
+    ok, error, outputs, node_errors = valid[0], valid[1], valid[2], valid[3]
+    if not ok:
+        raise AssertionError(f"prompt failed validation: {error} {node_errors}")
+    executor.execute(prompt, prompt_id, extra_data or {}, outputs)
+    return executor
+
+
+def execution_error(executor):
+    """The ``execution_error`` message of a failed run (dict), or None."""
+    for event, data in executor.status_messages:
+        if event == "execution_error":
+            return data
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Tiny Wan models
+# --------------------------------------------------------------------------------------------------
+
+def n_tokens(frames, h, w, patch=(1, 2, 2)):
+    """Self-attention tokens of a latent (frames, h, w) with Wan's patch (1, 2, 2)."""
+    return math.ceil(frames / patch[0]) * math.ceil(h / patch[1]) * math.ceil(w / patch[2])
+
+
+def latent_channels(kind):
+    return 48 if kind == "wan22_5b" else 16
+
+
+def _wan_config(kind, dim, heads, layers, ffn_dim, text_dim, vace_layers, extra):
+    import comfy.supported_models as sm
+    cfg = {
+        "image_model": "wan2.1", "dim": dim, "num_heads": heads, "num_layers": layers,
+        "ffn_dim": ffn_dim or 2 * dim, "text_dim": text_dim, "freq_dim": 256, "text_len": 512,
+        "patch_size": (1, 2, 2), "window_size": (-1, -1), "qk_norm": True, "cross_attn_norm": True,
+        "eps": 1e-6, "in_dim": 16, "out_dim": 16,
+    }
+    if kind == "t2v":
+        cls, cfg["model_type"] = sm.WAN21_T2V, "t2v"
+    elif kind == "i2v":
+        # WAN21_I2V: in_dim 36 = 16 noise + 4 mask + 16 image latent channels (model_base.WAN21.concat_cond
+        # fills zeros when no image is given); cross-attention is WanI2VCrossAttention; img_emb is
+        # MLPProj(1280 -> dim) over CLIP-H penultimate hidden states (257 tokens in real use).
+        cls, cfg["model_type"], cfg["in_dim"] = sm.WAN21_I2V, "i2v", 36
+    elif kind == "wan22_5b":
+        # WAN22_T2V (Wan 2.2 TI2V 5B): 48-channel latent (Wan22 latent format), model_base.WAN22.
+        cls, cfg["model_type"], cfg["in_dim"], cfg["out_dim"] = sm.WAN22_T2V, "t2v", 48, 48
+    elif kind == "vace":
+        # VaceWanModel: vace_in_dim 96 = 32 (16 inactive + 16 reactive latent channels) + 64 mask channels,
+        # what model_base.WAN21_Vace.extra_conds builds by default.
+        cls, cfg["model_type"] = sm.WAN21_Vace, "vace"
+        cfg["vace_layers"], cfg["vace_in_dim"] = vace_layers, 96
+    elif kind == "camera":
+        # WAN21_Camera: CameraWanModel with model_type "camera" (-> i2v cross-attention + img_emb),
+        # in_dim 32 (16 noise + 16 image), control adapter input 24 channels at 8x the latent size.
+        cls, cfg["model_type"], cfg["in_dim"] = sm.WAN21_Camera, "camera", 32
+    else:
+        raise ValueError(f"unknown Wan kind {kind!r}; one of {WAN_KINDS}")
+    cfg.update(extra)
+    return cls, cfg
+
+
+def fill_random_(module, seed=0, norm_noise=0.1, modulation_std=0.3, bias_std=0.02):
+    """Fill every parameter (ComfyUI's ops leave them uninitialised) with seeded, non-degenerate values.
+
+    Linear/Conv weights ~ N(0, 1/fan_in) (activations keep unit scale through the stack); norm weights
+    1 + N(0, norm_noise^2) so RMSNorm/LayerNorm stay near identity but not exactly; Wan ``modulation``
+    ~ N(0, modulation_std^2) so the gates are O(0.3), i.e. attention visibly changes the output;
+    biases and everything else N(0, bias_std^2)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            is_norm = "norm" in name.lower()
+            if leaf == "weight" and is_norm:
+                v = 1.0 + norm_noise * torch.randn(p.shape, generator=g)
+            elif leaf == "weight" and p.ndim >= 2:
+                fan_in = math.prod(p.shape[1:])
+                v = torch.randn(p.shape, generator=g) / math.sqrt(fan_in)
+            elif "modulation" in leaf:
+                v = modulation_std * torch.randn(p.shape, generator=g)
+            else:
+                v = bias_std * torch.randn(p.shape, generator=g)
+            p.copy_(v.to(p.dtype))
+    return module
+
+
+def make_wan(kind="t2v", dim=128, heads=4, layers=2, ffn_dim=None, text_dim=32, vace_layers=1,
+             dtype=None, seed=0, device="cpu", **extra_config):
+    """Tiny random-weight Wan wrapped in a ``ModelPatcher`` (float32 on CPU by default).
+
+    kind: "t2v" (WAN21_T2V), "i2v" (WAN21_I2V), "wan22_5b" (WAN22_T2V), "vace" (WAN21_Vace),
+    "camera" (WAN21_Camera). head_dim = dim // heads must be even and split by Wan's RoPE axes
+    (d - 4*(d//6), 2*(d//6), 2*(d//6)) into even parts: 32, 64 and 128 work. ``extra_config`` goes into
+    the unet config (e.g. ``flf_pos_embed_token_number=514``, ``in_dim_ref_conv=16``).
+    The patcher's ``.model`` is the ``comfy.model_base`` model, ``.model.diffusion_model`` the WanModel."""
+    setup()
+    import torch
+    import comfy.model_patcher
+    if dim % heads:
+        raise ValueError("dim must be a multiple of heads")
+    d = dim // heads
+    if any(a % 2 for a in (d - 4 * (d // 6), 2 * (d // 6))):
+        raise ValueError(f"head_dim {d} does not split into even RoPE axes; use 32, 64 or 128")
+    dtype = dtype or torch.float32
+    dev = torch.device(device)
+    cls, cfg = _wan_config(kind, dim, heads, layers, ffn_dim, text_dim, vace_layers, extra_config)
+    model_config = cls(cfg)
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({}, device=dev)
+    fill_random_(model.diffusion_model, seed=seed)
+    model.eval()
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
+    patcher.comfy_env_kind = kind
+    return patcher
+
+
+def _diffusion_model(model):
+    if hasattr(model, "model") and hasattr(model.model, "diffusion_model"):   # ModelPatcher
+        return model.model.diffusion_model
+    if hasattr(model, "diffusion_model"):                                      # BaseModel
+        return model.diffusion_model
+    return model                                                                # WanModel
+
+
+def _kind_of(model):
+    kind = getattr(model, "comfy_env_kind", None)
+    if kind is not None:
+        return kind
+    dm = _diffusion_model(model)
+    name = type(dm).__name__
+    if name == "VaceWanModel":
+        return "vace"
+    if name == "CameraWanModel":
+        return "camera"
+    if dm.out_dim == 48:
+        return "wan22_5b"
+    return "i2v" if dm.model_type == "i2v" else "t2v"
+
+
+def make_inputs(model, kind=None, frames=2, h=8, w=8, batch=1, text_tokens=16, clip_tokens=257,
+                vace_contexts=1, per_frame_t=False, timestep=500.0, seed=1, dtype=None):
+    """Keyword arguments for a direct ``diffusion_model(**inputs)`` call.
+
+    ``h``, ``w`` are latent sizes; self-attention tokens = ``n_tokens(frames, h, w)`` = frames*(h/2)*(w/2).
+    x: (batch, in_dim, frames, h, w) (in_dim includes the i2v/camera concat channels); timestep (batch,)
+    in [0, 1000], or (batch, frames) with ``per_frame_t`` (Wan 2.2 5B path -> e0 (B, frames, 6, C));
+    context: (batch, text_tokens, text_dim); i2v/camera: clip_fea (batch, clip_tokens, 1280);
+    vace: vace_context (batch, vace_contexts, 96, frames, h, w) + vace_strength list;
+    camera: camera_conditions (batch, 24, frames, 8h, 8w)."""
+    import torch
+    dm = _diffusion_model(model)
+    kind = kind or _kind_of(model)
+    dtype = dtype or next(p.dtype for n, p in dm.named_parameters() if n.startswith("blocks."))
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=g).to(dtype)
+
+    in_dim = dm.patch_embedding.weight.shape[1]
+    text_dim = dm.text_embedding[0].weight.shape[1]
+    out = {
+        "x": rnd(batch, in_dim, frames, h, w),
+        "timestep": (torch.full((batch, frames), float(timestep)) if per_frame_t
+                     else torch.full((batch,), float(timestep))),
+        "context": rnd(batch, text_tokens, text_dim),
+        "transformer_options": {},
+    }
+    if per_frame_t:
+        # per-frame timesteps, first frame "clean" like Wan 2.2 TI2V with a conditioning image
+        out["timestep"][:, 0] = 0.0
+    if kind in ("i2v", "camera") and clip_tokens:
+        out["clip_fea"] = rnd(batch, clip_tokens, 1280)
+    if kind == "vace":
+        out["vace_context"] = rnd(batch, vace_contexts, dm.vace_in_dim, frames, h, w)
+        out["vace_strength"] = [1.0] * vace_contexts
+    if kind == "camera":
+        out["camera_conditions"] = rnd(batch, 24, frames, 8 * h, 8 * w)
+    return out
+
+
+class _ClipVisionOutput:
+    """What model_base.WAN21.extra_conds reads from a CLIP_VISION_OUTPUT."""
+
+    def __init__(self, penultimate_hidden_states):
+        self.penultimate_hidden_states = penultimate_hidden_states
+
+
+def make_conds(model, kind=None, frames=2, h=8, w=8, batch=1, text_tokens=16, clip_tokens=257, seed=1):
+    """(positive, negative) conditioning lists for ``comfy.sample.sample`` matching ``make_wan(kind)``."""
+    import torch
+    dm = _diffusion_model(model)
+    kind = kind or _kind_of(model)
+    g = torch.Generator().manual_seed(seed)
+    text_dim = dm.text_embedding[0].weight.shape[1]
+    pos_ctx = torch.randn((batch, text_tokens, text_dim), generator=g)
+    neg_ctx = torch.randn((batch, text_tokens, text_dim), generator=g)
+    pos_extra, neg_extra = {}, {}
+    if kind in ("i2v", "camera") and clip_tokens:
+        clip = _ClipVisionOutput(torch.randn((batch, clip_tokens, 1280), generator=g))
+        pos_extra["clip_vision_output"] = clip
+        neg_extra["clip_vision_output"] = clip
+    if kind == "camera":
+        cam = torch.randn((batch, 24, frames, 8 * h, 8 * w), generator=g)
+        pos_extra["camera_conditions"] = cam
+        neg_extra["camera_conditions"] = cam
+    return [[pos_ctx, pos_extra]], [[neg_ctx, neg_extra]]
+
+
+def run_sample(patcher, kind=None, frames=2, h=8, w=8, batch=1, steps=3, cfg=5.0, seed=0,
+               sampler_name="euler", scheduler="simple", positive=None, negative=None, latent=None,
+               denoise_mask=None, text_tokens=16, clip_tokens=257, **kwargs):
+    """A short ``comfy.sample.sample`` run (3 steps, cond + uncond batched) on a tiny Wan; returns the latent.
+
+    ``denoise_mask`` (batch, 1, frames, h, w) gives Wan 2.2 5B its per-frame timesteps
+    (model_base.WAN22.process_timestep). Extra kwargs go to ``comfy.sample.sample``."""
+    setup()
+    import torch
+    import comfy.sample
+    kind = kind or _kind_of(patcher)
+    if latent is None:
+        latent = torch.zeros((batch, latent_channels(kind), frames, h, w))
+    if positive is None or negative is None:
+        pos, neg = make_conds(patcher, kind, frames, h, w, batch, text_tokens, clip_tokens)
+        positive = positive if positive is not None else pos
+        negative = negative if negative is not None else neg
+    noise = comfy.sample.prepare_noise(latent, seed)
+    return comfy.sample.sample(patcher, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent,
+                               noise_mask=denoise_mask, disable_pbar=True, seed=seed, **kwargs)
