@@ -1,0 +1,193 @@
+"""The one mechanism every model adapter shares: ComfyUI weights by rows, norms by head group, token chunks.
+
+- `ComfyLinearRows`: a ComfyUI Linear as a `qkv_core.RowProjection`. The weight is taken once per layer call
+  through `comfy.ops.cast_bias_weight` (LoRA weight functions of partially loaded models, dtype casts,
+  offload; `offloadable=True` + `uncast_bias_weight` where ComfyUI has them; scaled-fp8 `scale_weight`
+  multiplied in), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor
+  matmuls, fp8 matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
+- `CastLinear`: the same cast, held for a whole layer call, applied to token chunks (FFN, output projection).
+- `rms_norm_group_`: an RMSNorm over all heads applied to one head group, from precomputed mean squares.
+- `chunk_tokens` / `for_token_chunks`: bounded token chunks.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+import comfy.model_management
+import comfy.ops
+
+from ..qkv_core import PreparedProjection, RowProjection, WeightRows, rows_
+
+_CAST_OFFLOADABLE = "offloadable" in inspect.signature(comfy.ops.cast_bias_weight).parameters
+_UNCAST = getattr(comfy.ops, "uncast_bias_weight", None)
+_QUANTIZED_TENSOR = getattr(comfy.ops, "QuantizedTensor", None)
+_RUN_EVERY_OP = getattr(comfy.ops, "run_every_op", None)
+
+# Linear classes whose forward is exactly "cast_bias_weight when needed, then F.linear": their rows are exact
+_CANONICAL_FORWARDS = {comfy.ops.disable_weight_init.Linear.forward}
+_CANONICAL_CAST_FORWARDS = {comfy.ops.disable_weight_init.Linear.forward_comfy_cast_weights}
+
+
+def _is_quantized(tensor) -> bool:
+    return _QUANTIZED_TENSOR is not None and isinstance(tensor, _QUANTIZED_TENSOR)
+
+
+def _needs_cast(linear) -> bool:
+    return bool(getattr(linear, "comfy_cast_weights", False) or getattr(linear, "weight_function", None)
+                or getattr(linear, "bias_function", None))
+
+
+def not_row_sliceable(linear) -> Optional[str]:
+    """None when rows of `linear`'s output can be computed exactly from row slices of its cast weight, else
+    why not. Probes structure (attributes, dtypes), so an unknown layer degrades to "run whole"."""
+    weight = getattr(linear, "weight", None)
+    if weight is None or not torch.is_tensor(weight) or weight.dim() != 2:
+        return f"{type(linear).__name__} has no 2-D weight"
+    if _is_quantized(weight) or _is_quantized(getattr(weight, "data", None)):
+        layout = getattr(weight, "_layout_cls", None) or getattr(weight, "layout_type", "?")
+        return f"QuantizedTensor weight ({layout}) computes in its own format"
+    cls = type(linear)
+    forward = cls.forward
+    if getattr(linear, "scale_weight", None) is not None and torch.is_tensor(linear.scale_weight):
+        # scaled fp8 (ComfyUI before the QuantizedTensor rewrite): exact when it does not use fp8 matmuls
+        if getattr(cls, "fp8_matrix_mult", False) or getattr(linear, "scale_input", None) is not None:
+            return "scaled fp8 with fp8 matrix multiplication"
+        return None
+    if getattr(linear, "layout_type", None) is not None:
+        return f"quantized layout {linear.layout_type}"
+    if forward in _CANONICAL_FORWARDS and cls.forward_comfy_cast_weights in _CANONICAL_CAST_FORWARDS:
+        if weight.dtype.is_floating_point and weight.element_size() >= 2:
+            return None
+        return f"{weight.dtype} weight"
+    if "MixedPrecisionOps" in cls.__qualname__ and hasattr(cls, "_forward") \
+            and weight.dtype.is_floating_point and weight.element_size() >= 2:
+        # a layer of a mixed-precision checkpoint kept in 16/32 bits: cast_bias_weight + F.linear as well
+        return None
+    if isinstance(linear, torch.nn.Linear) and cls.forward is torch.nn.Linear.forward:
+        return None
+    return f"{cls.__module__}.{cls.__qualname__} computes its own way"
+
+
+class CastLinear:
+    """A ComfyUI Linear's weight and bias cast once for `x`'s device and dtype; `release()` hands an offload
+    stream's buffers back. `linear_(t)` applies it to any input with `x`'s dtype/device."""
+
+    def __init__(self, linear, x: torch.Tensor):
+        if _RUN_EVERY_OP is not None:
+            _RUN_EVERY_OP()  # ComfyUI's interrupt check, as its own Linear.forward does
+        self._linear, self._stream = linear, None
+        if _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:
+            if _CAST_OFFLOADABLE:
+                weight, bias, self._stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
+            else:
+                weight, bias = comfy.ops.cast_bias_weight(linear, x)
+        else:
+            weight, bias = linear.weight, linear.bias
+        scale = getattr(linear, "scale_weight", None)
+        if scale is not None and torch.is_tensor(scale):
+            weight = weight * scale.to(device=weight.device, dtype=weight.dtype)
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return F.linear(t, self.weight, self.bias)
+
+    def release(self) -> None:
+        if self._stream is not None and _UNCAST is not None:
+            _UNCAST(self._linear, self.weight, self.bias, self._stream)
+        self._stream = None
+        self.weight = self.bias = None
+
+
+class ComfyLinearRows(RowProjection):
+    """A ComfyUI Linear (`comfy.ops.*.Linear`) as a row projection; see the module docs."""
+
+    def __init__(self, linear):
+        self.linear = linear
+        self.out_features = getattr(linear, "out_features", None)
+        self._reason = not_row_sliceable(linear)
+
+    def not_row_sliceable(self) -> Optional[str]:
+        return self._reason
+
+    def prepare(self, x: torch.Tensor) -> PreparedProjection:
+        if self._reason is not None:
+            return _ModuleWhole(self.linear, x)
+        cast = CastLinear(self.linear, x)
+        return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
+
+
+class _ModuleWhole(PreparedProjection):
+    """Runs the layer itself (its own numerics) on the whole input."""
+
+    def __init__(self, module, x):
+        self.module, self.x = module, x
+
+    def full(self) -> torch.Tensor:
+        return self.module(self.x)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.module(self.x)[..., start:stop].contiguous()
+
+    def release(self) -> None:
+        self.x = None
+
+
+def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A ComfyUI RMSNorm's weight cast for `x` (through cast_bias_weight when the op needs it)."""
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return None
+    if _needs_cast(norm):
+        if _CAST_OFFLOADABLE:
+            weight, _, stream = comfy.ops.cast_bias_weight(norm, x, offloadable=True)
+        else:
+            weight, _ = comfy.ops.cast_bias_weight(norm, x)
+        return weight
+    return comfy.model_management.cast_to(weight, dtype=x.dtype, device=x.device)
+
+
+def rms_norm_group_(t: torch.Tensor, mean_squares: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
+                    channels: range) -> None:
+    """In place: `t` `(B, N, h, D)` = one head group of a tensor whose RMSNorm spans all heads:
+    `t * rsqrt(mean_squares + eps) * weight[channels]`, with `mean_squares` float32 `(B, N, 1)`.
+    Computed in float32 by bounded token chunks, like `torch.nn.functional.rms_norm`'s own upcast."""
+    w = None if weight is None else weight[channels.start:channels.stop].view(t.shape[-2], t.shape[-1])
+
+    def apply(part, a, b):
+        scale = torch.rsqrt(mean_squares[:, a:b].float() + eps).unsqueeze(-1)
+        out = part.float().mul_(scale)
+        if w is not None:
+            out.mul_(w)  # in float32, as torch's rms_norm multiplies the weight before casting back
+        return out
+
+    rows_(t, apply)
+
+
+def module_rows_(t: torch.Tensor, module: Callable, heads: int) -> None:
+    """In place, by token chunks: `t` `(B, N, heads, D)` = `module(t.flatten(2))` for a per-token module
+    (a norm over the full width), run as the model runs it."""
+    rows_(t, lambda part, a, b: module(part.flatten(2)).unflatten(-1, (heads, -1)))
+
+
+def chunk_tokens(tokens: int, per_token_elements: int, budget_elements: int, minimum: int = 256) -> int:
+    """Tokens per chunk so one chunk's transient (`per_token_elements` a token) stays within
+    `budget_elements`, at least `minimum` (GPU efficiency) and at most `tokens`."""
+    return max(1, min(tokens, max(minimum, budget_elements // max(1, per_token_elements))))
+
+
+def token_ranges(tokens: int, step: int):
+    for a in range(0, tokens, step):
+        yield a, min(a + step, tokens)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["ComfyLinearRows", "CastLinear", "not_row_sliceable", "norm_weight", "rms_norm_group_",
+           "module_rows_", "chunk_tokens", "token_ranges", "ceil_div", "math"]

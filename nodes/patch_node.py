@@ -1,0 +1,133 @@
+"""The patch node: MODEL -> MODEL with head split, attention backend and block-level bounds."""
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+import comfy.patcher_extension
+from comfy_api.latest import io
+
+from ..qkv_core import LEVEL_NAMES, drain_notices
+from . import wan
+from .dispatch import AUTO, backend_choices
+from .report import PatchReport, logger
+
+ADAPTERS = (wan,)
+LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
+WRAPPER_KEY = "comfyui_qkv"
+
+# How much of ComfyUI's activation estimate (`memory_usage_factor`) a patched model still needs, by what
+# the patch bounds. Measured peaks of a Wan block (docs/benchmarks.md), rounded up to stay conservative:
+# the bounded block peaks at 0.34x stock (0.5 kept), attention alone leaves the FFN's peak (0.73x; 0.85).
+MEMORY_FACTOR_BLOCK = 0.5
+MEMORY_FACTOR_ATTENTION = 0.85
+
+
+class QKVConfig(NamedTuple):
+    """What the node asked for (small and deep-copy safe: it lives in patched closures)."""
+    level: int
+    backend: str
+    block: bool
+
+
+def memory_factor(config: QKVConfig) -> float:
+    if config.block:
+        return MEMORY_FACTOR_BLOCK if config.level > 0 else MEMORY_FACTOR_ATTENTION
+    return MEMORY_FACTOR_ATTENTION if config.level > 0 else 1.0
+
+
+def find_adapter(diffusion_model):
+    for adapter in ADAPTERS:
+        if adapter.matches(diffusion_model):
+            return adapter
+    return None
+
+
+def make_run_wrapper(factor: float, report: PatchReport):
+    """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
+    is scaled by `factor` (its memory planning happens inside the run, before the weights are loaded), and
+    the run's fallback notices and peak VRAM are reported at its end (also after an error or a cancel)."""
+
+    def outer_sample(executor, *args, **kwargs):
+        base_model = executor.class_obj.model_patcher.model
+        stock_factor = base_model.memory_usage_factor
+        base_model.memory_usage_factor = stock_factor * factor
+        drain_notices()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            base_model.memory_usage_factor = stock_factor
+            for line in drain_notices():
+                logger.info("[QKV] run: %s", line)
+            if cuda:
+                logger.info("[QKV] run: peak VRAM allocated %.2f GiB", torch.cuda.max_memory_allocated() / 2**30)
+
+    return outer_sample
+
+
+def apply_patch(model, level: str, backend: str, block_bounds: bool):
+    """A patched clone of `model` (a ModelPatcher) and its report. Unsupported models come back as an
+    unpatched clone, with the reason logged."""
+    if level not in LEVELS:
+        raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
+    if backend not in backend_choices():
+        raise ValueError(f"attention backend must be one of {backend_choices()}, not {backend!r}")
+    config = QKVConfig(LEVELS.index(level), backend, bool(block_bounds))
+    patched = model.clone()
+    report = PatchReport()
+    diffusion_model = getattr(patched.model, "diffusion_model", None)
+    adapter = find_adapter(diffusion_model) if diffusion_model is not None else None
+    if adapter is None:
+        report.note(f"not patched: {type(diffusion_model).__name__} is not a model family this pack supports "
+                    f"(supported: Wan 2.x)")
+    else:
+        adapter.patch(patched, config, report)
+        if report.any_patched:
+            patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
+                                         make_run_wrapper(memory_factor(config), report))
+    report.log()
+    return patched, report
+
+
+class QKVPatch(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="QKVAttentionPatch",
+            display_name="QKV Attention (low VRAM)",
+            category="model_patches/attention",
+            description="Runs the model's q/k/v projection and attention through ComfyUI-QKV: attention by groups "
+                        "of heads and block-level bounds on every transient, for less VRAM at the same "
+                        "results. Put it after the model loader. Unsupported models pass through unchanged.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Combo.Input("head_split", options=list(LEVELS), default="High",
+                               tooltip="Attend long sequences (8192+ tokens) one group of heads at a time. "
+                                       "Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the higher, "
+                                       "the less VRAM q/k/v and attention take (High: about a quarter of Off)."),
+                io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
+                               tooltip="auto: the best installed kernel (SageAttention 2, FlashAttention, "
+                                       "else PyTorch SDPA), or ComfyUI's dispatcher if another node set an "
+                                       "attention override. comfy: ComfyUI's own choice. A backend that is "
+                                       "missing or cannot take a call falls back to the next, said once in "
+                                       "the log."),
+                io.Boolean.Input("block_bounds", default=True,
+                                 tooltip="Also bound the whole transformer block: the modulated input is freed "
+                                         "once projected, the residual is updated in place, cross-attention "
+                                         "and the feed-forward run by token chunks."),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, model, head_split, attention_backend, block_bounds) -> io.NodeOutput:
+        patched, _ = apply_patch(model, head_split, attention_backend, block_bounds)
+        return io.NodeOutput(patched)
+
+
+NODES = [QKVPatch]

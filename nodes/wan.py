@@ -1,0 +1,364 @@
+"""Wan 2.x adapter (`comfy/ldm/wan`): self-attention through `qkv_attention`, cross-attention through
+`cross_qkv_attention`, and (the block switch) a bounded `WanAttentionBlock.forward`.
+
+What is patched is decided by probing each module: its attributes and shapes, and a fingerprint of the
+forward it replaces (the source of the versions this adapter was checked against). Anything else runs as
+before, with a reason in the patch report. Patches are object patches on a cloned ModelPatcher only.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+from typing import Optional
+
+import torch
+
+import comfy.ldm.wan.model as wan_model
+import comfy.model_management
+from comfy.ldm.flux.math import apply_rope1
+
+from ..qkv_core import cross_qkv_attention, qkv_attention, rows_
+from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows_, norm_weight, rms_norm_group_,
+                        token_ranges)
+from .dispatch import attend_group, attention_kwargs
+
+FAMILY = "Wan"
+
+# Fingerprints (sha1 of the whitespace-normalized source) of the forwards this adapter replaces, in the
+# ComfyUI versions whose math it was checked against (v0.3.64, v0.8.0). A forward with another fingerprint
+# is left alone: a ComfyUI update that changes it degrades to "not patched", never to different numbers.
+KNOWN_FORWARDS = {
+    "WanSelfAttention": {"a0805ddcc8f5a62d"},                         # v0.3.64, v0.8.0
+    "WanT2VCrossAttention": {"29baffc50fa33991"},                     # v0.3.64, v0.8.0
+    "WanI2VCrossAttention": {"5c23a360bbb42e0c"},                     # v0.3.64, v0.8.0
+    "WanAttentionBlock": {"74a167b2b2ca6d6d", "1b76e80a73018730"},    # v0.3.64, v0.8.0 (+ x.contiguous())
+    "VaceWanAttentionBlock": {"264bc4b554e3bf6c"},                    # v0.3.64, v0.8.0
+}
+
+
+def source_fingerprint(fn) -> Optional[str]:
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    source = re.sub(r"#[^\n]*", "", source)          # comments do not change the math
+    source = re.sub(r'r?"""(.|\n)*?"""', "", source)  # nor docstrings
+    return hashlib.sha1(re.sub(r"\s+", "", source).encode()).hexdigest()[:16]
+
+
+def _forward_reason(module, kind: str) -> Optional[str]:
+    fingerprint = source_fingerprint(type(module).forward)
+    if fingerprint not in KNOWN_FORWARDS.get(kind, ()):
+        return (f"{type(module).__name__}.forward is not a version this pack was checked against "
+                f"(fingerprint {fingerprint})")
+    return None
+
+
+def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
+    linear = getattr(module, name, None)
+    weight = getattr(linear, "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] != out_features or \
+            (in_features is not None and weight.shape[1] != in_features):
+        return f"{name} is not a Linear with {out_features} outputs"
+    return None
+
+
+def _norm_ok(module, name: str, dim: int) -> Optional[str]:
+    norm = getattr(module, name, None)
+    if norm is None:
+        return f"no {name}"
+    if isinstance(norm, torch.nn.Identity):
+        return None
+    weight = getattr(norm, "weight", None)
+    if not hasattr(norm, "eps") or (weight is not None and tuple(weight.shape) != (dim,)):
+        return f"{name} is not an RMSNorm over {dim} channels"
+    return None
+
+
+def probe_attention(module, kind: str) -> Optional[str]:
+    """None when `module` (WanSelfAttention, WanT2VCrossAttention or WanI2VCrossAttention) can be patched."""
+    heads, head_dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return "no num_heads/head_dim"
+    dim = heads * head_dim
+    for name in ("q", "k", "v", "o"):
+        reason = _linear_shape(module, name, dim)
+        if reason:
+            return reason
+    names = ["norm_q", "norm_k"] + (["norm_k_img"] if kind == "WanI2VCrossAttention" else [])
+    if kind == "WanI2VCrossAttention":
+        for name in ("k_img", "v_img"):
+            reason = _linear_shape(module, name, dim)
+            if reason:
+                return reason
+    for name in names:
+        reason = _norm_ok(module, name, dim)
+        if reason:
+            return reason
+    return _forward_reason(module, kind)
+
+
+def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
+    """None when the whole block can run bounded: its structure is Wan's, its forward a known version."""
+    self_attn, cross_attn = getattr(block, "self_attn", None), getattr(block, "cross_attn", None)
+    if self_attn is None or cross_attn is None:
+        return "no self_attn/cross_attn"
+    reason = probe_attention(self_attn, "WanSelfAttention") or probe_attention(cross_attn, type(cross_attn).__name__)
+    if reason:
+        return reason
+    dim = self_attn.num_heads * self_attn.head_dim
+    ffn = getattr(block, "ffn", None)
+    if not (isinstance(ffn, torch.nn.Sequential) and len(ffn) == 3 and isinstance(ffn[1], torch.nn.GELU)):
+        return "ffn is not Linear, GELU, Linear"
+    if _linear_shape(ffn, "0", ffn[0].weight.shape[0] if hasattr(ffn[0], "weight") else -1, dim) or \
+            _linear_shape(ffn, "2", dim):
+        return "ffn shapes do not match the width"
+    modulation = getattr(block, "modulation", None)
+    if modulation is None or tuple(modulation.shape) != (1, 6, dim):
+        return "modulation is not (1, 6, dim)"
+    for name in ("norm1", "norm2", "norm3"):
+        if getattr(block, name, None) is None:
+            return f"no {name}"
+    if kind == "VaceWanAttentionBlock" and not hasattr(block, "after_proj"):
+        return "no after_proj"
+    return _forward_reason(block, kind)
+
+
+# --- attention ------------------------------------------------------------------------------------------
+class _NormRope:
+    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE
+    (`apply_rope1`, as the model calls it) per token chunk, in place. Norm weights are cast once a call."""
+
+    def __init__(self, module, freqs, key_norm: str = "norm_k"):
+        self.norms = (module.norm_q, getattr(module, key_norm))
+        self.freqs, self.head_dim = freqs, module.head_dim
+        self._weights = [None, None]
+
+    def _norm_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
+        norm = self.norms[which]
+        if isinstance(norm, torch.nn.Identity):
+            return
+        if group.mean_squares is None:  # t holds every head: the model's own norm
+            module_rows_(t, norm, t.shape[2])
+            return
+        if self._weights[which] is None:
+            self._weights[which] = (norm_weight(norm, t),)
+        d = self.head_dim
+        rms_norm_group_(t, group.mean_squares[which], self._weights[which][0], norm.eps,
+                        range(head_range.start * d, head_range.stop * d))
+
+    def _rope_(self, t: torch.Tensor) -> None:
+        freqs = self.freqs
+
+        def rotate(part, a, b):
+            return apply_rope1(part if part.is_contiguous() else part.contiguous(), freqs[:, a:b])
+        rows_(t, rotate)
+
+    def __call__(self, query, key, group) -> None:
+        if query is not None:
+            self._norm_(query, 0, group.q, group)
+            if self.freqs is not None:
+                self._rope_(query)
+        if key is not None:
+            self._norm_(key, 1, group.kv, group)
+            if self.freqs is not None:
+                self._rope_(key)
+
+
+def self_attention(module, x_list, freqs, config, transformer_options) -> torch.Tensor:
+    """Wan self-attention of `[x]` (list cleared) without the output projection: `(B, N, heads, head_dim)`."""
+    return qkv_attention(x_list, ComfyLinearRows(module.q), ComfyLinearRows(module.k), ComfyLinearRows(module.v),
+                         module.num_heads, module.head_dim, _NormRope(module, freqs),
+                         norm_spans_heads=not isinstance(module.norm_q, torch.nn.Identity),
+                         head_split_level=config.level, **attention_kwargs(config, transformer_options))
+
+
+def cross_attention(module, x_list, context, context_img_len, config, transformer_options,
+                    split_heads: bool = True) -> torch.Tensor:
+    """Wan cross-attention (text; plus CLIP image tokens for i2v) of `[x]` (list cleared), without `o`.
+    `split_heads=False` for token chunks, which are small already."""
+    kwargs = choice = attention_kwargs(config, transformer_options)
+    if hasattr(module, "k_img"):
+        context_img = context[:, :context_img_len]
+        context = context[:, context_img_len:]
+        heads, d = module.num_heads, module.head_dim
+        # 257 image tokens: projected whole with the model's own layers, sliced per head group
+        k_img = module.norm_k_img(module.k_img(context_img)).unflatten(-1, (heads, d))
+        v_img = module.v_img(context_img).unflatten(-1, (heads, d))
+        del context_img
+
+        def text_plus_image(qkv, group):
+            q, k, v = qkv
+            qkv.clear()
+            text = attend_group(q, k, v, choice, group)
+            del k, v
+            image = attend_group(q, k_img[:, :, group.kv.start:group.kv.stop],
+                                 v_img[:, :, group.kv.start:group.kv.stop], choice, group)
+            return text.add_(image)  # x = x + img_x, as the model sums them
+        kwargs = {"attention_fn": text_plus_image}
+    return cross_qkv_attention(x_list, [context], ComfyLinearRows(module.q), ComfyLinearRows(module.k),
+                               ComfyLinearRows(module.v), module.num_heads, module.head_dim,
+                               _NormRope(module, None), norm_spans_heads=not isinstance(module.norm_q,
+                                                                                        torch.nn.Identity),
+                               head_split_level=config.level, split_heads=split_heads, **kwargs)
+
+
+def output_projection_(linear, attention: torch.Tensor) -> torch.Tensor:
+    """`linear(attention)` computed by token chunks into the attention's own storage: `(B, N, C)`.
+    Each output token depends only on the same input token, so writing back in place is exact."""
+    flat = attention.flatten(2)
+    cast = CastLinear(linear, flat)
+    try:
+        step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() // 8))
+        for a, b in token_ranges(flat.shape[1], step):
+            flat[:, a:b] = cast(flat[:, a:b])
+    finally:
+        cast.release()
+    return flat
+
+
+def patched_self_attention_forward(module, config):
+    def forward(x, freqs, transformer_options={}):
+        return output_projection_(module.o, self_attention(module, [x], freqs, config, transformer_options))
+    return forward
+
+
+def patched_cross_attention_forward(module, config):
+    def forward(x, context, context_img_len=None, transformer_options={}, **kwargs):
+        out = cross_attention(module, [x], context, context_img_len, config, transformer_options)
+        return output_projection_(module.o, out)
+    return forward
+
+
+# --- the bounded block ----------------------------------------------------------------------------------
+class _Modulation:
+    """Wan's six modulation vectors (`block.modulation + e`), for a token range at a time when `e` is per
+    token (Wan 2.2 5B: `(B, N, 6, C)`), so no full-size copy of them is made."""
+
+    def __init__(self, block, e, x):
+        modulation = comfy.model_management.cast_to(block.modulation, dtype=x.dtype, device=x.device)
+        self.tokens = x.shape[1]
+        if e.ndim < 4:
+            self.parts = (modulation + e).chunk(6, dim=1)   # (B, 1, C) each
+            self.per_token = None
+        elif e.shape[1] == self.tokens:
+            self.per_token, self.modulation = e, modulation.unsqueeze(0)
+        else:  # e per frame: as the model repeats it
+            full = (modulation.unsqueeze(0) + e).unbind(2)
+            self.parts = tuple(wan_model.repeat_e(p, x) for p in full)
+            self.per_token = None
+
+    def __call__(self, index: int, a: int, b: int) -> torch.Tensor:
+        if self.per_token is None:
+            part = self.parts[index]
+            return part if part.shape[1] == 1 else part[:, a:b]
+        return (self.modulation + self.per_token[:, a:b]).select(2, index)
+
+
+def bounded_block_forward(block, config):
+    """`WanAttentionBlock.forward` with every transient bounded: the modulated input is handed to the
+    attention (freed once projected), the output projection runs in place, the residual is updated in
+    place in a fresh tensor (the caller's `x` is never written), cross-attention and the FFN run by token
+    chunks. Same math, same dtypes as the model."""
+    def forward(x, e, freqs, context, context_img_len=257, transformer_options={}):
+        return run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options)
+    return forward
+
+
+def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
+    x = x.contiguous()
+    mod = _Modulation(block, e, x)
+    batch, tokens, width = x.shape
+    step = chunk_tokens(tokens, batch * width, max(1, x.numel() // 8))
+
+    # self-attention: modulated input, made by chunks, handed off
+    modulated = torch.empty_like(x)
+    for a, b in token_ranges(tokens, step):
+        modulated[:, a:b] = torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b))
+    attention = self_attention(block.self_attn, [modulated], freqs, config, transformer_options)
+    del modulated
+    y = output_projection_(block.self_attn.o, attention)
+    del attention
+    # x = x + y * e2, into y's storage: `residual` is this block's fresh output buffer
+    residual = y
+    for a, b in token_ranges(tokens, step):
+        torch.addcmul(x[:, a:b], y[:, a:b], mod(2, a, b), out=residual[:, a:b])
+    del y
+
+    # cross-attention by token chunks (queries are independent; the context is short)
+    cross = block.cross_attn
+    for a, b in token_ranges(tokens, step):
+        part = cross_attention(cross, [block.norm3(residual[:, a:b])], context, context_img_len, config,
+                               transformer_options, split_heads=False)
+        residual[:, a:b] += output_projection_(cross.o, part)
+        del part
+
+    # feed-forward by token chunks, weights cast once
+    up, down = CastLinear(block.ffn[0], x), CastLinear(block.ffn[2], x)
+    try:
+        ffn_step = chunk_tokens(tokens, batch * up.weight.shape[0], max(1, x.numel() // 8))
+        for a, b in token_ranges(tokens, ffn_step):
+            part = residual[:, a:b]
+            hidden = up(torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b)))
+            hidden = block.ffn[1](hidden)
+            torch.addcmul(part, down(hidden), mod(5, a, b), out=part)
+            del hidden, part
+    finally:
+        up.release()
+        down.release()
+    return residual
+
+
+def bounded_vace_block_forward(block, config):
+    """`VaceWanAttentionBlock.forward` around the bounded block."""
+    def forward(c, x, **kwargs):
+        transformer_options = kwargs.get("transformer_options", {})
+        if block.block_id == 0:
+            c = block.before_proj(c) + x
+        c = run_bounded_block(block, c, kwargs["e"], kwargs["freqs"], kwargs["context"],
+                              kwargs.get("context_img_len", 257), config, transformer_options)
+        return block.after_proj(c), c
+    return forward
+
+
+# --- patching ---------------------------------------------------------------------------------------------
+def matches(diffusion_model) -> bool:
+    """Is this a Wan model (by structure: a list of blocks with Wan's attention modules)?"""
+    blocks = getattr(diffusion_model, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        return False
+    first = blocks[0]
+    return isinstance(getattr(first, "self_attn", None), wan_model.WanSelfAttention)
+
+
+def patch(patcher, config, report) -> None:
+    """Adds object patches to `patcher` (a clone) for every Wan module that probes clean."""
+    model = patcher.model.diffusion_model
+    for list_name in ("blocks", "vace_blocks"):
+        blocks = getattr(model, list_name, None)
+        if not isinstance(blocks, torch.nn.ModuleList):
+            continue
+        for index, block in enumerate(blocks):
+            path = f"diffusion_model.{list_name}.{index}"
+            kind = "VaceWanAttentionBlock" if list_name == "vace_blocks" else "WanAttentionBlock"
+            if config.block:
+                reason = probe_block(block, kind)
+                if reason is None:
+                    factory = bounded_vace_block_forward if kind == "VaceWanAttentionBlock" else bounded_block_forward
+                    patcher.add_object_patch(f"{path}.forward", factory(block, config))
+                    report.patched(FAMILY, "block", path)
+                    continue
+                report.skipped(FAMILY, f"{path} (block)", reason)
+            for name, factory in (("self_attn", patched_self_attention_forward),
+                                  ("cross_attn", patched_cross_attention_forward)):
+                module = getattr(block, name, None)
+                if module is None:
+                    continue
+                kind_name = "WanSelfAttention" if name == "self_attn" else type(module).__name__
+                reason = probe_attention(module, kind_name)
+                if reason is None:
+                    patcher.add_object_patch(f"{path}.{name}.forward", factory(module, config))
+                    report.patched(FAMILY, name, f"{path}.{name}")
+                else:
+                    report.skipped(FAMILY, f"{path}.{name}", reason)
