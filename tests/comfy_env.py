@@ -39,6 +39,8 @@ import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Unresolved too: a pack installed as a symlink ComfyUI/custom_nodes/<pack> -> checkout resolves elsewhere.
+_REPO_ROOT_AS_SEEN = Path(os.path.abspath(__file__)).parents[1]
 
 # Kinds accepted by make_wan / make_inputs / run_sample.
 WAN_KINDS = ("t2v", "i2v", "wan22_5b", "vace", "camera")
@@ -55,15 +57,17 @@ def _is_comfy_root(path) -> bool:
     return (p / "comfy").is_dir() and (p / "nodes.py").is_file() and (p / "execution.py").is_file()
 
 
-def find_comfyui():
+def find_comfyui(repo_root=None):
     """Path of a ComfyUI checkout, or None. Order: $COMFYUI_PATH, ComfyUI above this repo, ~/ComfyUI."""
+    roots = [Path(repo_root)] if repo_root is not None else [_REPO_ROOT_AS_SEEN, REPO_ROOT]
     env = os.environ.get("COMFYUI_PATH")
     if env:
         p = Path(env).expanduser().resolve()
         return p if _is_comfy_root(p) else None   # an explicit path that is wrong is not silently replaced
-    above = REPO_ROOT.parent.parent                    # ComfyUI/custom_nodes/<pack> -> ComfyUI
-    if REPO_ROOT.parent.name == "custom_nodes" and _is_comfy_root(above):
-        return above
+    for r in roots:
+        above = Path(os.path.abspath(r)).parent.parent   # ComfyUI/custom_nodes/<pack> -> ComfyUI
+        if _is_comfy_root(above):
+            return above.resolve()
     home = Path.home() / "ComfyUI"
     if _is_comfy_root(home):
         return home.resolve()
@@ -131,13 +135,18 @@ def _put_comfy_first(root: Path):
              "comfy_execution", "comfy_api", "comfy_extras", "comfy_config", "comfyui_version"]
     for name in names:
         mod = sys.modules.get(name)
-        if mod is not None and _module_root(mod) != root:
+        if mod is not None and not _inside(_module_root(mod), root):
             for k in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[k]
     comfy = sys.modules.get("comfy")
-    if comfy is not None and _module_root(comfy) != root:
+    if comfy is not None and not _inside(_module_root(comfy), root):
         raise ImportError(f"`comfy` is already imported from {_module_root(comfy)}, not from {root}; "
                           "run the tests in a fresh process")
+
+
+def _inside(path, root) -> bool:
+    # nodes.py itself puts ComfyUI/comfy on sys.path[0], so ComfyUI modules may live one level down.
+    return path is not None and (path == root or root in path.parents)
 
 
 def _same_path(a, b) -> bool:
@@ -169,6 +178,9 @@ def setup():
                 raise ImportError("comfy.model_management was imported before comfy_env could set "
                                   "comfy.cli_args.args.cpu = True")
             comfy.cli_args.args.cpu = True
+            # ComfyUI's SDPA path (what CUDA users run) instead of CPU's default sub-quadratic attention:
+            # the stock reference is then the same kernel family, and tests run several times faster
+            comfy.cli_args.args.use_pytorch_cross_attention = True
         import comfy.model_management  # noqa: F401
         import comfy.model_patcher  # noqa: F401
         import comfy.supported_models  # noqa: F401
@@ -178,6 +190,18 @@ def setup():
         raise ImportError(_state["error"]) from e
     _state.update(done=True, root=root, error=None)
     return root
+
+
+def try_setup():
+    """``setup()`` that never raises; returns the root or None (the reason is in ``skip_reason()``)."""
+    try:
+        return setup()
+    except ImportError:
+        return None
+
+
+def skip_reason():
+    return _state["error"]
 
 
 def require_comfyui():
@@ -537,3 +561,11 @@ def run_sample(patcher, kind=None, frames=2, h=8, w=8, batch=1, steps=3, cfg=5.0
     noise = comfy.sample.prepare_noise(latent, seed)
     return comfy.sample.sample(patcher, noise, steps, cfg, sampler_name, scheduler, positive, negative, latent,
                                noise_mask=denoise_mask, disable_pbar=True, seed=seed, **kwargs)
+
+
+# Set-up at import time, on purpose. Test modules import this helper while pytest collects, i.e. before
+# anything else can import ComfyUI: pytest >= 8 also imports the repository's root __init__.py (the
+# pack's entry point, which imports comfy_api and, through the pack, comfy.model_management) when it sets
+# up the root directory as a Package, before the first test of the session runs. By then ComfyUI must be
+# on sys.path and comfy.cli_args.args.cpu must be set. Without ComfyUI this does nothing (tests skip).
+try_setup()

@@ -1,0 +1,259 @@
+"""The Wan adapter against a real ComfyUI: patched output equals ComfyUI's own forward.
+
+Tiny random-weight Wan models (T2V, I2V, 2.2 5B, VACE) built from `comfy.supported_models`; 2 x 4,224 tokens
+(8,448 over all batch items, above the 8,192-token split floor), so the head split really runs. Skipped with
+the reason when no ComfyUI checkout is found (tests/comfy_env.py says where it looks).
+"""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+SIZE = dict(frames=3, h=64, w=88, batch=2)   # 3 x 32 x 44 = 4,224 tokens per item
+MODEL = dict(dim=256, heads=8, layers=1)     # head_dim 32; 8 heads split 1/4/8/8 at Off/Low/Medium/High
+LEVELS = ("Off", "Low", "Medium", "High")
+KINDS = ("t2v", "i2v", "wan22_5b", "vace")
+
+
+@pytest.fixture(scope="module")
+def env():
+    comfy_env.require_comfyui()
+    import torch
+    pack = comfy_env.load_pack()
+    return SimpleNamespace(torch=torch, pack=pack,
+                           node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
+                           wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
+                           core=importlib.import_module(pack.__name__ + ".qkv_core"))
+
+
+def inputs(patcher, kind):
+    return comfy_env.make_inputs(patcher.model, kind, per_frame_t=(kind == "wan22_5b"), **SIZE)
+
+
+def forward(patcher, kind, applied=None):
+    """The diffusion model's output with `applied`'s object patches in place (None: as loaded)."""
+    import torch
+    if applied is not None:
+        applied.patch_model(load_weights=False)
+    try:
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**inputs(patcher, kind))
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=False)
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class SdpaHeads:
+    """Records the head count of every SDPA call (the group size actually attended); `self_heads`: those
+    of self-attention calls (as many keys as queries)."""
+
+    def __init__(self, torch):
+        self.torch, self.heads, self.self_heads = torch, [], []
+
+    def __enter__(self):
+        torch = self.torch
+        recorder = self
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    q, k = args[0], args[1]
+                    recorder.heads.append(q.shape[1])
+                    if q.shape[2] == k.shape[2]:
+                        recorder.self_heads.append(q.shape[1])
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_equals_stock_at_every_level(env, kind):
+    base = comfy_env.make_wan(kind, **MODEL)
+    reference = forward(base, kind)
+    for level in LEVELS:
+        for block in (False, True):
+            patched, report = env.node.apply_patch(base, level, "sdpa", block)
+            assert report.any_patched and not report.skipped_reasons, report.lines()
+            with SdpaHeads(env.torch) as spy:
+                out = forward(base, kind, applied=patched)
+            assert rel_err(out, reference) <= 1e-5, (kind, level, block)
+            groups = env.core.group_count(8, SIZE["batch"] * 4224, LEVELS.index(level))
+            assert set(spy.self_heads) == {8 // groups}, (level, spy.self_heads)  # really ran split
+    # the unpatched model is stock again
+    assert env.torch.equal(forward(base, kind), reference)
+
+
+def test_block_patch_covers_every_block_and_vace_block(env):
+    base = comfy_env.make_wan("vace", dim=128, heads=4, layers=2, vace_layers=1)
+    patched, report = env.node.apply_patch(base, "High", "auto", True)
+    paths = set(patched.object_patches)
+    assert {"diffusion_model.blocks.0.forward", "diffusion_model.blocks.1.forward",
+            "diffusion_model.vace_blocks.0.forward"} <= paths
+    patched, report = env.node.apply_patch(base, "High", "auto", False)
+    assert "diffusion_model.blocks.1.self_attn.forward" in patched.object_patches
+    assert "diffusion_model.vace_blocks.0.cross_attn.forward" in patched.object_patches
+    assert not any(p.endswith("blocks.0.forward") for p in patched.object_patches)
+
+
+def test_sampling_gives_the_same_latent(env):
+    base = comfy_env.make_wan("t2v", **MODEL)
+    stock = comfy_env.run_sample(base, **SIZE)
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
+    latent = comfy_env.run_sample(patched, **SIZE)
+    assert rel_err(latent, stock) <= 1e-5
+    # the input MODEL (another branch of the workflow) still samples as stock
+    assert rel_err(comfy_env.run_sample(base, **SIZE), stock) <= 1e-6
+
+
+def _lora_patches(torch, model, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    patches = {}
+    for name in ("q", "k", "v", "o"):
+        key = f"diffusion_model.blocks.0.self_attn.{name}.weight"
+        weight = model.get_parameter(key)
+        patches[key] = (torch.randn(weight.shape, generator=g) * 0.05,)
+    for name in ("q", "k", "v", "o"):
+        key = f"diffusion_model.blocks.0.cross_attn.{name}.weight"
+        patches[key] = (torch.randn(model.get_parameter(key).shape, generator=g) * 0.05,)
+    return patches
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram-weight-function"])
+def test_lora_on_qkvo_gives_the_same_output(env, lowvram):
+    torch = env.torch
+    base = comfy_env.make_wan("t2v", **MODEL)
+    plain = forward(base, "t2v")
+    lora = base.clone()
+    lora.add_patches(_lora_patches(torch, base.model), 1.0)
+    patched, _ = env.node.apply_patch(lora, "High", "auto", True)
+
+    def run(patcher, ours):
+        if lowvram:
+            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+            q = patcher.model.diffusion_model.blocks[0].self_attn.q
+            assert len(q.weight_function) > 0 and q.comfy_cast_weights   # the LowVramPatch path
+        else:
+            patcher.patch_model(device_to=torch.device("cpu"))
+        try:
+            with torch.no_grad():
+                return patcher.model.diffusion_model(**inputs(patcher, "t2v"))
+        finally:
+            patcher.unpatch_model()
+
+    stock_lora = run(lora, False)
+    ours_lora = run(patched, True)
+    assert rel_err(stock_lora, plain) > 1e-3            # the LoRA does change the output
+    assert rel_err(ours_lora, stock_lora) <= 1e-5
+    assert rel_err(forward(base, "t2v"), plain) <= 1e-6  # and is gone afterwards
+
+
+def test_unsupported_model_passes_through(env, caplog):
+    torch = env.torch
+
+    class NotWan(torch.nn.Module):
+        def forward(self, x):
+            return x
+    patcher = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    clone = patcher.clone()
+    clone.model = SimpleNamespace(diffusion_model=NotWan())  # what apply_patch probes
+    caplog.set_level("INFO")
+    out, report = env.node.apply_patch(clone, "High", "auto", True)
+    assert not out.object_patches and not report.any_patched
+    assert "not patched: NotWan is not a model family this pack supports" in caplog.text
+
+
+def test_unknown_forward_is_not_patched(env, monkeypatch):
+    """A ComfyUI whose Wan forwards changed degrades to "not patched", never to other numbers."""
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    monkeypatch.setitem(env.wan.KNOWN_FORWARDS, "WanAttentionBlock", set())
+    patched, report = env.node.apply_patch(base, "High", "auto", True)
+    assert "diffusion_model.blocks.0.forward" not in patched.object_patches
+    assert "diffusion_model.blocks.0.self_attn.forward" in patched.object_patches  # attention still patched
+    assert any("is not a version this pack was checked against" in line for line in report.lines())
+
+
+def test_quantized_weight_is_not_row_sliceable(env):
+    torch = env.torch
+    import comfy.ops
+    ops = env.pack.nodes.comfy_ops
+    plain = comfy.ops.disable_weight_init.Linear(8, 8)
+    assert ops.not_row_sliceable(plain) is None
+    assert ops.not_row_sliceable(comfy.ops.manual_cast.Linear(8, 8)) is None
+    fp8 = comfy.ops.disable_weight_init.Linear(8, 8, dtype=torch.float8_e4m3fn)
+    assert "weight" in ops.not_row_sliceable(fp8)
+    custom = type("GGUFLinear", (comfy.ops.disable_weight_init.Linear,), {
+        "forward_comfy_cast_weights": lambda self, x: x})(8, 8)
+    assert "computes its own way" in ops.not_row_sliceable(custom)
+    quant_ops = pytest.importorskip("comfy.quant_ops")
+    if not getattr(quant_ops, "_CK_AVAILABLE", False):
+        pytest.skip("comfy_kitchen is not installed: no QuantizedTensor weights in this ComfyUI")
+    for layout in ("TensorCoreFP8E4M3Layout", "TensorCoreNVFP4Layout"):
+        linear = comfy.ops.disable_weight_init.Linear(32, 16)
+        weight = quant_ops.QuantizedTensor.from_float(torch.randn(16, 32), layout)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        assert "QuantizedTensor" in ops.not_row_sliceable(linear), layout
+
+
+def test_unsliceable_projection_runs_unsplit_with_one_notice(env, caplog):
+    """A q projection with no row slice (e.g. a block-scaled QuantizedTensor) on a long stream: the call
+    runs unsplit, with the same numbers, and says so once."""
+    torch = env.torch
+    base = comfy_env.make_wan("t2v", **MODEL)
+    reference = forward(base, "t2v")
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", False)
+    ops = env.pack.nodes.comfy_ops
+    original = ops.ComfyLinearRows.__init__
+
+    def refuse_q(self, linear):
+        original(self, linear)
+        if linear is base.model.diffusion_model.blocks[0].self_attn.q:
+            self._reason = "test: block-scaled weight"
+    env.core.reset_notices()
+    caplog.set_level("INFO")
+    ops.ComfyLinearRows.__init__ = refuse_q
+    try:
+        with SdpaHeads(torch) as spy:
+            out = forward(base, "t2v", applied=patched)
+    finally:
+        ops.ComfyLinearRows.__init__ = original
+    assert rel_err(out, reference) <= 1e-5
+    assert set(spy.self_heads) == {8}   # self-attention ran with all heads together
+    assert caplog.text.count("[Attention] Head Split is not applied") == 1
+
+
+def test_memory_estimate_is_lowered_for_the_run(env):
+    """ComfyUI plans weights vs activations from `memory_usage_factor`: inside a patched run it is lowered
+    by the measured ratio, and restored afterwards."""
+    import comfy.patcher_extension
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    stock_factor = base.model.memory_usage_factor
+    seen = []
+
+    def probe(executor, *args, **kwargs):
+        model = executor.class_obj.model_patcher.model
+        seen.append((model.memory_usage_factor, model.memory_required([2, 16, 3, 8, 8])))
+        return executor(*args, **kwargs)
+
+    stock_required = base.model.memory_required([2, 16, 3, 8, 8])
+    for block, factor in ((True, env.node.MEMORY_FACTOR_BLOCK), (False, env.node.MEMORY_FACTOR_ATTENTION)):
+        patched, _ = env.node.apply_patch(base, "High", "auto", block)
+        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, "zz_probe", probe)
+        comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
+        assert seen[-1][0] == pytest.approx(stock_factor * factor)
+        assert seen[-1][1] == pytest.approx(stock_required * factor)
+        assert base.model.memory_usage_factor == stock_factor
+    assert env.node.MEMORY_FACTOR_BLOCK < env.node.MEMORY_FACTOR_ATTENTION < 1
