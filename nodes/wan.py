@@ -233,27 +233,35 @@ def patched_cross_attention_forward(module, config):
 
 # --- the bounded block ----------------------------------------------------------------------------------
 class _Modulation:
-    """Wan's six modulation vectors (`block.modulation + e`), for a token range at a time when `e` is per
-    token (Wan 2.2 5B: `(B, N, 6, C)`), so no full-size copy of them is made."""
+    """Wan's six modulation vectors (`block.modulation + e`) for a range of tokens at a time. `e` is
+    `(B, 6, C)`, `(B, 1, 6, C)`, per token `(B, N, 6, C)` or per frame `(B, T, 6, C)` (Wan 2.2 5B), repeated
+    to the frame's tokens as the model's `repeat_e` does, without a full-size copy of any of them."""
 
     def __init__(self, block, e, x):
         modulation = comfy.model_management.cast_to(block.modulation, dtype=x.dtype, device=x.device)
-        self.tokens = x.shape[1]
+        tokens = x.shape[1]
         if e.ndim < 4:
-            self.parts = (modulation + e).chunk(6, dim=1)   # (B, 1, C) each
-            self.per_token = None
-        elif e.shape[1] == self.tokens:
-            self.per_token, self.modulation = e, modulation.unsqueeze(0)
-        else:  # e per frame: as the model repeats it
-            full = (modulation.unsqueeze(0) + e).unbind(2)
-            self.parts = tuple(wan_model.repeat_e(p, x) for p in full)
-            self.per_token = None
+            self.parts, self.stride = (modulation + e).chunk(6, dim=1), None   # (B, 1, C) each
+            return
+        entries = e.shape[1]
+        if entries == tokens and tokens > 1:  # per token: added a chunk at a time
+            self.parts, self.stride, self.e, self.modulation = None, 1, e, modulation
+            return
+        self.parts = (modulation.unsqueeze(0) + e).unbind(2)                 # (B, T, C) each, T small
+        if entries == 1:
+            self.stride = None
+        else:  # token t uses entry t // stride (repeat_e: repeats, or repeats + 1 when it does not divide)
+            repeats = tokens // entries
+            self.stride = repeats if repeats * entries == tokens else repeats + 1
 
     def __call__(self, index: int, a: int, b: int) -> torch.Tensor:
-        if self.per_token is None:
-            part = self.parts[index]
-            return part if part.shape[1] == 1 else part[:, a:b]
-        return (self.modulation + self.per_token[:, a:b]).select(2, index)
+        if self.parts is None:
+            return self.modulation[:, index] + self.e[:, a:b, index]
+        part = self.parts[index]
+        if self.stride is None:
+            return part
+        entries = torch.arange(a, b, device=part.device) // self.stride
+        return part.index_select(1, entries)
 
 
 def bounded_block_forward(block, config):

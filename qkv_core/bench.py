@@ -1,0 +1,549 @@
+"""Benchmark: a Wan 2.x 14B self-attention layer, the way ComfyUI runs it ("stock") against `qkv_core`.
+
+    python -m qkv_core.bench                     # CUDA if present, else a scaled CPU run
+    python -m qkv_core.bench --json              # machine-readable results
+    python -m qkv_core.bench --plot bench-wan.png
+
+The layer: width 5120, 40 heads of 128, q/k/v/o Linear with bias, RMSNorm over all 5120 channels of q and of
+k (eps 1e-6, with a weight), RoPE with Wan's 3-axis frequencies (interleaved pairs, axes [44, 42, 42] over
+(t, h, w), applied in float32 and cast back), random weights. Both ways include the output projection o:
+layer = projections + norm + RoPE + attention + o, input `(1, tokens, 5120)`, output `(1, tokens, 5120)`.
+
+- "stock": ComfyUI v0.8.0's WanSelfAttention.forward, reproduced op for op (comfy/ldm/wan/model.py,
+  apply_rope1 of comfy/ldm/flux/math.py or comfy_kitchen when importable, comfy/rmsnorm.py, and
+  attention_pytorch's SDPA call in comfy/ldm/modules/attention.py); not imported from ComfyUI.
+- "qkv_core <level>": `qkv_core.qkv_attention` with `norm_spans_heads=True`, `force_attention="sdpa"` and
+  the Head Split level, then o.
+
+Peak = working set above the live input and weights (the result included), also as a multiple of
+|x| = tokens x 5120 x 2 bytes (one bf16 activation). On CUDA: the allocator's peak and CUDA-event times at
+the real token counts. On CPU: `qkv_core.memory` (MemTracker), with the token counts scaled down (see
+`--cpu-scale`). The workloads are pluggable: see `Workload` and `WORKLOADS`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qkv_core
+from qkv_core import head_split as _head_split
+from qkv_core import runtime as _runtime
+from qkv_core.memory import GiB, measure_peak, time_call, check_cpu_tracker
+
+# ------------------------------------------------------------------------------------------------------
+# the model: Wan 2.x 14B self-attention
+# ------------------------------------------------------------------------------------------------------
+
+WAN_14B = dict(dim=5120, heads=40, head_dim=128, eps=1e-6, theta=10000.0)
+
+#: (name, latent grid (t, h, w)): 81 frames -> 21 latent frames; 480p -> 30 x 52, 720p -> 45 x 80 patches
+RESOLUTIONS = [("480p x 81 frames", (21, 30, 52)), ("720p x 81 frames", (21, 45, 80))]
+
+DEFAULT_CPU_SCALE = 16
+
+
+def wan_rope_axes(head_dim: int) -> list[int]:
+    """Wan's split of the head dim over (t, h, w): [44, 42, 42] for 128 (comfy/ldm/wan/model.py)."""
+    return [head_dim - 4 * (head_dim // 6), 2 * (head_dim // 6), 2 * (head_dim // 6)]
+
+
+def wan_rope_freqs(grid, tokens: int, head_dim: int, theta: float, device) -> torch.Tensor:
+    """ComfyUI's RoPE table for the first `tokens` positions of the latent grid (t, h, w), float32
+    `(1, tokens, 1, head_dim // 2, 2, 2)`: per pair the rotation [[cos, -sin], [sin, cos]]."""
+    t, h, w = grid
+    if tokens > t * h * w:
+        t = math.ceil(tokens / (h * w))
+    pos = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
+    pos = pos.reshape(-1, 3)[:tokens].to(torch.float64)
+    tables = []
+    for axis, dim in enumerate(wan_rope_axes(head_dim)):
+        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
+        angle = pos[:, axis, None] * (1.0 / theta ** scale)                     # (tokens, dim/2)
+        rot = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], dim=-1)
+        tables.append(rot.view(tokens, dim // 2, 2, 2))
+    freqs = torch.cat(tables, dim=-3).to(torch.float32)                          # (tokens, D/2, 2, 2)
+    return freqs[None, :, None].contiguous().to(device)
+
+
+class WanSelfAttentionLayer(nn.Module):
+    """Weights of one Wan self-attention layer (random), with the RoPE table of its tokens as a buffer."""
+
+    def __init__(self, dim, heads, head_dim, eps, freqs, device, dtype, seed=0):
+        super().__init__()
+        self.dim, self.heads, self.head_dim, self.eps = dim, heads, head_dim, eps
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for name in ("q", "k", "v", "o"):
+            linear = nn.Linear(dim, dim, bias=True, device="meta")
+            bound = 1.0 / math.sqrt(dim)
+            weight = (torch.rand(dim, dim, generator=generator) * 2 - 1) * bound
+            bias = (torch.rand(dim, generator=generator) * 2 - 1) * bound
+            linear.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
+            linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+            setattr(self, name, linear)
+            del weight, bias
+        # Wan's norm_q / norm_k: RMSNorm over the full width, with a (trained, here random) weight
+        self.norm_q_weight = nn.Parameter((1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype),
+                                          requires_grad=False)
+        self.norm_k_weight = nn.Parameter((1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype),
+                                          requires_grad=False)
+        self.register_buffer("freqs", freqs)
+
+
+# --- stock: ComfyUI v0.8.0 --------------------------------------------------------------------------------
+
+def apply_rope1_eager(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's apply_rope1 (comfy/ldm/flux/math.py fallback = comfy_kitchen's eager backend): float32
+    copies of x, a new float32 result, cast back."""
+    x_ = x.to(dtype=freqs_cis.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+    x_out = freqs_cis[..., 0] * x_[..., 0]
+    x_out.addcmul_(freqs_cis[..., 1], x_[..., 1])
+    return x_out.reshape(*x.shape).type_as(x)
+
+
+def stock_rope_fn(choice: str) -> tuple[Callable, str]:
+    """ComfyUI calls comfy_kitchen.apply_rope1 when comfy_kitchen is installed (CUDA: a fused kernel),
+    else the eager formula."""
+    if choice in ("auto", "kitchen"):
+        try:
+            import comfy_kitchen
+            return comfy_kitchen.apply_rope1, "comfy_kitchen.apply_rope1"
+        except Exception as e:
+            if choice == "kitchen":
+                raise SystemExit(f"--stock-rope kitchen: comfy_kitchen is not importable ({e})")
+    return apply_rope1_eager, "eager apply_rope1 (comfy_kitchen not installed)"
+
+
+def stock_forward(layer: WanSelfAttentionLayer, x_list: list, apply_rope1=apply_rope1_eager) -> torch.Tensor:
+    """WanSelfAttention.forward of ComfyUI v0.8.0 with attention_pytorch (SDPA), o included."""
+    x = x_list.pop()
+    b, s, n, d = *x.shape[:2], layer.heads, layer.head_dim
+    freqs = layer.freqs
+
+    def rms_norm(t, weight):  # comfy.rmsnorm.rms_norm -> torch's rms_norm with the weight cast to t
+        return F.rms_norm(t, weight.shape, weight=weight.to(t.dtype), eps=layer.eps)
+
+    def qkv_fn_q(x):
+        q = rms_norm(layer.q(x), layer.norm_q_weight).view(b, s, n, d)
+        return apply_rope1(q, freqs)
+
+    def qkv_fn_k(x):
+        k = rms_norm(layer.k(x), layer.norm_k_weight).view(b, s, n, d)
+        return apply_rope1(k, freqs)
+
+    q = qkv_fn_q(x)
+    k = qkv_fn_k(x)
+
+    def attention_pytorch(q, k, v, heads):
+        b, _, dim_head = q.shape
+        dim_head //= heads
+        q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
+        return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
+
+    x = attention_pytorch(q.view(b, s, n * d), k.view(b, s, n * d), layer.v(x).view(b, s, n * d), heads=n)
+    x = layer.o(x)
+    return x
+
+
+# --- qkv_core -----------------------------------------------------------------------------------------------
+
+def make_norm_rope(layer: WanSelfAttentionLayer) -> Callable:
+    """Wan's norm_q/norm_k + RoPE for `qkv_core`, in place, by bounded token chunks (`qkv_core.rows_`).
+    With `group.mean_squares` the group's heads are normalized by the full-width statistics; without, the
+    group must hold every head (unsplit). Same arithmetic as the stock path: normalize in float32, round to
+    the model dtype, times the weight; rotate in float32, round."""
+    d, eps, freqs = layer.head_dim, layer.eps, layer.freqs
+
+    def one(t: torch.Tensor, heads: range, weight: torch.Tensor, mean_squares: Optional[torch.Tensor]):
+        if mean_squares is None and len(heads) * d != layer.dim:
+            raise RuntimeError("a norm over all heads needs group.mean_squares when the heads are split")
+        w = weight[heads.start * d:heads.stop * d].to(t.dtype).view(len(heads), d)
+
+        def fn(part, a, b):
+            f = part.float()
+            ms = (f.square().mean(dim=(-2, -1), keepdim=True) if mean_squares is None
+                  else mean_squares[:, a:b].unsqueeze(-1))
+            f.mul_(torch.rsqrt(ms + eps))
+            part.copy_(f)                 # rounded to the model dtype, as rms_norm does before the weight
+            part.mul_(w)
+            f.copy_(part)
+            pairs = f.view(*part.shape[:-1], -1, 1, 2)
+            fr = freqs[:, a:b]
+            out = fr[..., 0] * pairs[..., 0]
+            out.addcmul_(fr[..., 1], pairs[..., 1])
+            part.copy_(out.view(part.shape))
+            return part
+
+        qkv_core.rows_(t, fn)
+
+    def norm_rope(query, key, group):
+        ms = group.mean_squares or (None, None)
+        if query is not None:
+            one(query, group.q, layer.norm_q_weight, ms[0])
+        if key is not None:
+            one(key, group.kv, layer.norm_k_weight, ms[1])
+
+    return norm_rope
+
+
+def qkv_forward(layer: WanSelfAttentionLayer, x_list: list, level: int, norm_rope: Callable) -> torch.Tensor:
+    """The same layer through `qkv_core.qkv_attention` (x handed off), then o."""
+    out = qkv_core.qkv_attention(x_list, layer.q, layer.k, layer.v, layer.heads, layer.head_dim, norm_rope,
+                                 norm_spans_heads=True, head_split_level=level, force_attention="sdpa")
+    return layer.o(out.flatten(2))
+
+
+# ------------------------------------------------------------------------------------------------------
+# workloads
+# ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Case:
+    """One size to run: a name, the tokens actually run and the tokens it stands for."""
+    name: str
+    tokens: int
+    full_tokens: int
+    grid: tuple
+
+
+@dataclass
+class Method:
+    name: str
+    run: Callable[[list], torch.Tensor]   # takes the input list (it may clear it), returns the output
+    groups: Optional[int] = None          # head groups it attends in, when known
+
+
+@dataclass
+class Prepared:
+    """A workload built for one case: what is live, how to make an input, the methods (reference first)."""
+    live: object
+    make_input: Callable[[], list]
+    unit_bytes: int                       # |x|: bytes of one activation of the layer
+    methods: list
+    notes: list = field(default_factory=list)
+
+
+class Workload:
+    """A thing to benchmark. `cases(args)` lists the sizes; `setup(case, device, dtype, args)` builds the
+    weights and returns a `Prepared` whose first method is the reference the others are compared with."""
+    name = "?"
+    title = "?"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        pass
+
+    def cases(self, args) -> list:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def setup(self, case: Case, device, dtype, args) -> Prepared:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class WanSelfAttentionWorkload(Workload):
+    name = "wan-self-attention"
+    title = ("Wan 2.x 14B self-attention layer (5120 wide, 40 heads x 128, q/k/v/o with bias, RMSNorm q/k "
+             "over 5120, 3-axis RoPE; o included in both ways)")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--stock-rope", choices=("auto", "eager", "kitchen"), default="auto",
+                            help="the stock path's RoPE: comfy_kitchen.apply_rope1 when importable (auto), "
+                                 "or ComfyUI's eager formula")
+
+    def cases(self, args):
+        if args.tokens:
+            return [Case(f"{t:,} tokens", math.ceil(t / args.scale), t, RESOLUTIONS[0][1]) for t in args.tokens]
+        out = []
+        for name, grid in RESOLUTIONS:
+            full = grid[0] * grid[1] * grid[2]
+            out.append(Case(name, math.ceil(full / args.scale), full, grid))
+        return out
+
+    def setup(self, case, device, dtype, args):
+        cfg = WAN_14B
+        freqs = wan_rope_freqs(case.grid, case.tokens, cfg["head_dim"], cfg["theta"], device)
+        layer = WanSelfAttentionLayer(cfg["dim"], cfg["heads"], cfg["head_dim"], cfg["eps"], freqs, device, dtype,
+                                      seed=args.seed)
+        generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+        x0 = torch.randn(1, case.tokens, cfg["dim"], generator=generator).to(device=device, dtype=dtype)
+        rope, rope_name = stock_rope_fn(args.stock_rope)
+        norm_rope = make_norm_rope(layer)
+        methods = [Method("stock (ComfyUI 0.8.0)", lambda xl: stock_forward(layer, xl, rope), 1)]
+        for level in args.levels:
+            groups = qkv_core.group_count(cfg["heads"], case.tokens, level)
+            methods.append(Method(f"qkv_core {qkv_core.LEVEL_NAMES[level].capitalize()}",
+                                  lambda xl, level=level: qkv_forward(layer, xl, level, norm_rope), groups))
+        return Prepared(live=[layer, x0], make_input=lambda: [x0.clone()],
+                        unit_bytes=case.tokens * cfg["dim"] * x0.element_size(), methods=methods,
+                        notes=[f"stock RoPE: {rope_name}"])
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (WanSelfAttentionWorkload(),)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# scaling for CPU runs
+# ------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def scaled_runtime(scale: float):
+    """Scales the runtime's absolute token-count constants by 1/scale, with the token counts, so that a
+    scaled run splits and chunks exactly as the full-size one: the Head Split floor (8192 tokens) and the
+    rows_ chunk (2^23 elements). Restored on exit."""
+    saved = (_head_split.SPLIT_FLOOR_TOKENS, _runtime.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS)
+    if scale != 1:
+        floor = max(1, math.ceil(saved[0] / scale))
+        _head_split.SPLIT_FLOOR_TOKENS = _runtime.SPLIT_FLOOR_TOKENS = floor
+        _runtime.ROWS_CHUNK_ELEMENTS = max(1, int(saved[2] / scale))
+    try:
+        yield
+    finally:
+        _head_split.SPLIT_FLOOR_TOKENS, _runtime.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS = saved
+
+
+# ------------------------------------------------------------------------------------------------------
+# measure
+# ------------------------------------------------------------------------------------------------------
+
+def _diff(output: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    diff = (output.float() - reference.float()).abs().max().item()
+    scale = reference.float().abs().max().item()
+    return diff, diff / scale if scale else float("nan")
+
+
+def measure(workload: Workload, case: Case, device, dtype, args) -> dict:
+    """Runs every method of the workload on one case: peak, times, difference from the reference."""
+    prepared = workload.setup(case, device, dtype, args)
+    rows, reference = [], None
+    for method in prepared.methods:
+        x_list = prepared.make_input()
+        peak = measure_peak(method.run, x_list, device=device, live=prepared.live)
+        output = peak.result
+        peak = peak._replace(result=None)
+        del x_list
+        timing = time_call(method.run, setup=lambda: (prepared.make_input(),), warmup=args.warmup,
+                           repeats=args.repeats, device=device)
+        if reference is None:
+            reference, diff, rel = output, 0.0, 0.0
+        else:
+            diff, rel = _diff(output, reference)
+        del output
+        row = dict(method=method.name, groups=method.groups, peak_bytes=peak.peak_bytes,
+                   peak_gib=peak.peak_bytes / GiB, peak_x=peak.peak_bytes / prepared.unit_bytes,
+                   time_s=timing.median_s, times_s=timing.times_s, cpu_time_s=timing.cpu_median_s,
+                   max_abs_diff=diff, rel_diff=rel)
+        if device.type == "cpu":
+            row["untracked_alias_bytes"] = peak.untracked_alias_bytes
+            row["breakdown_bytes"] = peak.breakdown
+        rows.append(row)
+        if args.verbose:
+            print(f"  {case.name}: {method.name}: peak {row['peak_x']:.2f}x |x|, {timing.median_s * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
+    return dict(case=case.name, tokens=case.tokens, full_tokens=case.full_tokens, unit_bytes=prepared.unit_bytes,
+                notes=prepared.notes, rows=rows)
+
+
+# ------------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------------
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    info = dict(torch=torch.__version__, python=platform.python_version(), device=device.type)
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info["cpu"] = _cpu_name()
+        info["cores"] = os.cpu_count()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def format_table(result: dict, device: torch.device) -> str:
+    scaled = result["tokens"] != result["full_tokens"]
+    head = result["case"]
+    if not head.endswith(" tokens") or scaled:
+        head += f": {result['tokens']:,} tokens run"
+    if scaled:
+        head += f" (stands for {result['full_tokens']:,})"
+    head += f", |x| = {result['unit_bytes'] / 2**20:,.1f} MiB"
+    cpu = device.type == "cpu"
+    lines = [head, "",
+             "| method | head groups | peak GiB | peak x|x| | time ms |" + (" CPU time ms |" if cpu else "")
+             + " max abs diff vs stock | relative |",
+             "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if cpu else "") + " ---: | ---: |"]
+    for row in result["rows"]:
+        cpu_time = f" {row['cpu_time_s'] * 1e3:,.0f} |" if cpu else ""
+        lines.append(f"| {row['method']} | {row['groups'] or '-'} | {row['peak_gib']:.4f} | {row['peak_x']:.2f} | "
+                     f"{row['time_s'] * 1e3:,.0f} |{cpu_time} {row['max_abs_diff']:.3g} | {row['rel_diff']:.2g} |")
+    return "\n".join(lines)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib, which is not installed: python3 -m pip install matplotlib "
+                         "(scripts/bench --plot FILE installs it)") from None
+    return plt
+
+
+def plot(results: list, path: str, title: str) -> None:
+    plt = _pyplot()
+    methods = [row["method"] for row in results[0]["rows"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(results))
+    for ax, key, label in ((axes[0], "peak_x", "peak working set (x |x|)"), (axes[1], "time_s", "time (ms)")):
+        for index, result in enumerate(results):
+            values = [row[key] * (1e3 if key == "time_s" else 1) for row in result["rows"]]
+            positions = [m + (index - (len(results) - 1) / 2) * width for m in range(len(methods))]
+            bars = ax.bar(positions, values, width, label=result["case"] if result["case"].endswith(" tokens")
+                          else f"{result['case']} ({result['tokens']:,} tokens)")
+            ax.bar_label(bars, fmt="%.2f" if key == "peak_x" else "%.0f", fontsize=7)
+        ax.set_xticks(range(len(methods)), methods, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ------------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------------
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "fp32": torch.float32, "float32": torch.float32}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m qkv_core.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="wan-self-attention")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    parser.add_argument("--tokens", default=None,
+                        help="comma-separated token counts to run as given (default: 480p and 720p x 81 frames, "
+                             "scaled on CPU)")
+    parser.add_argument("--levels", default="off,low,medium,high",
+                        help="Head Split levels to run, comma-separated names or 0-3 (default: all)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default: CUDA 10, CPU 3)")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="extra untimed runs before timing (the memory-measured run already warms up)")
+    parser.add_argument("--cpu-scale", type=float, default=None,
+                        help=f"CPU only: divide the default token counts by this (default {DEFAULT_CPU_SCALE}); "
+                             "the runtime's token-count thresholds are scaled alike")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU: torch threads (default: torch's). On a machine shared with other jobs, 1 "
+                             "avoids OpenMP threads waiting on each other, which swamps paths of many small ops")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print machine-readable results instead of tables")
+    parser.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of peak and time (matplotlib)")
+    parser.add_argument("--verbose", "-v", action="store_true", help="progress on stderr")
+    for workload in WORKLOADS.values():
+        workload.add_arguments(parser)
+    args = parser.parse_args(argv)
+
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and args.device.index is None:
+        args.device = torch.device("cuda", torch.cuda.current_device())
+    args.dtype_name, args.dtype = args.dtype, _DTYPES[args.dtype]
+    args.tokens = [int(t.replace("_", "")) for t in args.tokens.split(",")] if args.tokens else None
+    args.levels = [qkv_core.parse_level(int(v) if v.strip().isdigit() else v) for v in args.levels.split(",")]
+    if args.repeats is None:
+        args.repeats = 10 if args.device.type == "cuda" else 3
+    if args.device.type == "cuda":
+        if args.cpu_scale not in (None, 1):
+            parser.error("--cpu-scale is for CPU runs")
+        args.scale = 1.0
+    elif args.tokens and args.cpu_scale is None:
+        args.scale = 1.0
+    else:
+        args.scale = float(args.cpu_scale or DEFAULT_CPU_SCALE)
+    return args
+
+
+def scaling_note(args, cases) -> Optional[str]:
+    if args.scale == 1:
+        return None
+    floor = math.ceil(qkv_core.SPLIT_FLOOR_TOKENS / args.scale)
+    chunk = int(_runtime.ROWS_CHUNK_ELEMENTS / args.scale)
+    sizes = ", ".join(f"{c.full_tokens:,} -> {c.tokens:,}" for c in cases)
+    return (f"SCALED CPU RUN: token counts divided by {args.scale:g} ({sizes}); width, heads and head dim are the "
+            f"real ones (5120 = 40 x 128). The runtime's absolute token constants are scaled alike so that it "
+            f"splits and chunks as at full size: Head Split floor {qkv_core.SPLIT_FLOOR_TOKENS:,} -> {floor:,} "
+            f"tokens, rows_ chunk {_runtime.ROWS_CHUNK_ELEMENTS:,} -> {chunk:,} elements. Peaks as x|x| carry "
+            f"over to full size; times do not (attention grows with tokens squared).")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = WORKLOADS[args.workload]
+    device, dtype = args.device, args.dtype
+    if args.plot:
+        _pyplot()  # fail before the runs, not after
+    cases = workload.cases(args)
+    note = scaling_note(args, cases)
+    started = time.perf_counter()
+    if device.type == "cpu":
+        problem = check_cpu_tracker()
+        if problem:
+            print(f"warning: the CPU memory measurement failed its self-check ({problem}); peaks may be wrong",
+                  file=sys.stderr)
+    results = []
+    with torch.no_grad(), scaled_runtime(args.scale):
+        for case in cases:
+            results.append(measure(workload, case, device, dtype, args))
+    elapsed = time.perf_counter() - started
+    machine = machine_info(device)
+    report = dict(workload=workload.name, title=workload.title, machine=machine, dtype=args.dtype_name,
+                  scale=args.scale, scaling=note, repeats=args.repeats, elapsed_s=elapsed, results=results)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        where = machine.get("gpu") or f"CPU ({machine['cpu']}), {machine['cores']} cores, torch threads: {machine['threads']}"
+        print(f"{workload.title}")
+        print(f"{where}, torch {machine['torch']}, {args.dtype_name}; peak = working set above the live input and "
+              f"weights (result included); time = median of {args.repeats} runs; "
+              f"{'CUDA allocator peaks, CUDA events' if device.type == 'cuda' else 'MemTracker peaks; time = wall clock (perf_counter), CPU time = process CPU time, all threads'}")
+        if note:
+            print(note)
+        for result in results:
+            print()
+            for line in result["notes"]:
+                print(line)
+            print(format_table(result, device))
+        print(f"\ntotal {elapsed:.0f} s")
+    if args.plot:
+        plot(results, args.plot, workload.title + (f" [tokens / {args.scale:g}]" if args.scale != 1 else ""))
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
