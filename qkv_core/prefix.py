@@ -93,13 +93,14 @@ def dequantize_prefix(prefix: KVPrefix, dtype=torch.bfloat16) -> tuple[torch.Ten
     return k, v
 
 
-def _to(tensors: Sequence[Optional[torch.Tensor]], device, pin: bool, non_blocking: bool = False):
+def _to(tensors: Sequence[Optional[torch.Tensor]], device, pin: bool, non_blocking: bool = False,
+        copy: bool = False):
     out = []
     for t in tensors:
         if t is None:
             out.append(None)
             continue
-        moved = t.to(device, non_blocking=non_blocking)
+        moved = t.to(device, non_blocking=non_blocking, copy=copy)
         if pin and moved.device.type == "cpu" and not moved.is_pinned():
             moved = moved.pin_memory()
         out.append(moved)
@@ -130,7 +131,8 @@ class PrefixLayer:
         else:
             form, tensors = "16bit", (k, v)
         if cache.ram:
-            tensors = tuple(_to(tensors, "cpu", pin=torch.cuda.is_available()))
+            # 16-bit tensors already in RAM would be kept by reference: copy them (the caller may change them)
+            tensors = tuple(_to(tensors, "cpu", pin=torch.cuda.is_available(), copy=not cache.quantize))
         elif not cache.quantize:
             tensors = tuple(t.clone() for t in tensors)  # the caller may change its tensors in place later
         self._data = (form, tensors)

@@ -31,7 +31,8 @@ def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = x.shape[1] if x.dim() > 1 else 1
     for a in range(0, tokens, CHUNK_TOKENS):
         b = min(a + CHUNK_TOKENS, tokens)
-        part = x[:, a:b].float().unflatten(-1, (-1, GROUP))
+        # a float32 copy even when x is float32: x must not change (it is divided in place below)
+        part = x[:, a:b].to(torch.float32, copy=True).unflatten(-1, (-1, GROUP))
         scale = (part.abs().amax(-1, keepdim=True) / 127.0).clamp_min_(SCALE_FLOOR)
         scale16 = scale.to(torch.float16)
         # quantize with the stored (fp16) scale, so dequantization inverts exactly what was rounded
@@ -84,7 +85,8 @@ def merge_lse_(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_
         merged = top + torch.log2(total)
         total = torch.where(total > 0, total, torch.ones_like(total))
         w1, w2 = (w1 / total).transpose(1, 2).unsqueeze(-1), (w2 / total).transpose(1, 2).unsqueeze(-1)
-        mixed = out[:, a:b].float().mul_(w1).add_(other[:, a:b].float().mul_(w2))
+        # `other` is only read (for float32 it is not copied by .float(), so no in-place op on it)
+        mixed = out[:, a:b].float().mul_(w1).addcmul_(other[:, a:b].float(), w2)
         out[:, a:b] = mixed
         lse[:, :, a:b] = merged
         del l1, l2, top, w1, w2, total, merged, mixed

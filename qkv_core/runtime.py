@@ -314,9 +314,11 @@ class _Call:
             for source in self.sources:
                 source.release()
 
-    def _project_kv(self, group: HeadGroup, last: bool, shared_kv: bool):
-        """(k, v) of a group, k projected but not normalized, v normalized by norm_v and joined with the
-        prefix; with a shared k/v module it is projected once and v gets an independent copy."""
+    def _project_v(self, group: HeadGroup, last: bool, shared_kv: bool, k_later: bool):
+        """(k, v) of a group: v normalized by norm_v and joined with the prefix. With a shared k/v module in
+        every key/value stream it is projected once: k (not normalized) is returned and v is an independent
+        copy; otherwise k is None (`_project_k`). `k_later`: k of this group is projected after v (a stream
+        whose k and v share one module, beside others that do not, keeps that module until then)."""
         d, hk = self.head_dim, len(group.kv)
         a, b = group.kv.start * d, group.kv.stop * d
         if shared_kv:
@@ -324,7 +326,8 @@ class _Call:
             v = k.clone()
         else:
             # a stream whose k and v share one module (beside others that do not) projects it twice here
-            v = _join(lambda s: s.rows("k" if s.shared_kv else "v", a, b, release=last and not s.shared_kv),
+            v = _join(lambda s: s.rows("k" if s.shared_kv else "v", a, b,
+                                       release=last and not (s.shared_kv and k_later)),
                       self.kv_sources, self.kv_tokens, hk, d)
             k = None
         if self.o.norm_v is not None:
@@ -336,9 +339,14 @@ class _Call:
             joined[:, prefix_tokens:] = v
             v = joined
             del joined
-        if k is None:
-            k = _join(lambda s: s.rows("k", a, b, release=last), self.kv_sources, self.kv_tokens, hk, d)
         return k, v
+
+    def _project_k(self, group: HeadGroup, last: bool, v_later: bool) -> torch.Tensor:
+        """k of a group (not normalized); `v_later`: v of this group is projected after k."""
+        d = self.head_dim
+        a, b = group.kv.start * d, group.kv.stop * d
+        return _join(lambda s: s.rows("k", a, b, release=last and not (s.shared_kv and v_later)),
+                     self.kv_sources, self.kv_tokens, len(group.kv), d)
 
     def _join_k_prefix(self, k: torch.Tensor, group: HeadGroup) -> torch.Tensor:
         prefix_tokens, write = self._prefix_writer("k", group.kv)
@@ -356,13 +364,25 @@ class _Call:
                      sources, sum(s.tokens for s in sources), len(group_range), d)
 
     def _group(self, group: HeadGroup, out: torch.Tensor, last: bool, shared_kv: bool) -> None:
+        """q, then k, then v, each normalized as soon as it is projected: the norm's scratch is live beside
+        at most two of the three (q, k, v and the scratch together would raise the peak)."""
         o = self.o
-        k, v = self._project_kv(group, last, shared_kv)
+        norm = self.norm_rope
         q = self._project("q", group.q, last)
+        if norm is not None:
+            norm(q, None, group)
+        if shared_kv:
+            k, v = self._project_v(group, last, shared_kv, k_later=False)
+            if norm is not None:
+                norm(None, k, group)
+            k = self._join_k_prefix(k, group)
+        else:
+            k = self._project_k(group, last, v_later=True)
+            if norm is not None:
+                norm(None, k, group)
+            k = self._join_k_prefix(k, group)
+            _, v = self._project_v(group, last, shared_kv, k_later=False)
         extra = self._project("extra", group.q, last) if any("extra" in s.proj for s in self.q_sources) else None
-        if self.norm_rope is not None:
-            self.norm_rope(q, k, group)
-        k = self._join_k_prefix(k, group)
         if o.attention_fn is not None:
             qkv = [q, k, v] if extra is None else [q, k, v, extra]
             del q, k, v, extra
@@ -385,13 +405,16 @@ class _Call:
         prefix = o.kv_prefix
         if isinstance(prefix, KVPrefix) and prefix.is_native:
             raise NotImplementedError("native prefixes are attended by the SageAttention staged cores (GPU issue)")
-        k, v = self._project_kv(group, last, shared_kv)
+        # v is quantized before k is projected (unless one module made both): one of them in 16 bits at a time
+        k, v = self._project_v(group, last, shared_kv, k_later=True)
         prefix_tokens = 0 if prefix is None else prefix[0].shape[1]
         settings = core.settings((self.batch, self.q_tokens, len(group.q), self.head_dim),
                                  (self.batch, prefix_tokens + self.kv_tokens, len(group.kv), self.head_dim),
                                  v.dtype, v.device, o.softmax_scale)
         quantized_v = core.staged_quantize_v([v], settings)
         del v
+        if k is None:
+            k = self._project_k(group, last, v_later=False)
         quantized_k = None
         if fused is not None and prefix is None:
             quantized_k = fused(None, k, group, core, settings)

@@ -1,0 +1,25 @@
+"""pytest set-up shared by the tests.
+
+The repository root has an `__init__.py` (ComfyUI's entry point for the node pack; it imports `comfy_api`),
+so pytest would collect the root as a package and import that file before any test, which fails outside
+ComfyUI. The plugin below collects the root as a plain directory instead (registered as a plugin, not a
+conftest hook, because conftest hooks do not apply to directories above this one).
+"""
+from pathlib import Path
+
+import pytest
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+class _RootAsPlainDirectory:
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collect_directory(self, path, parent):
+        if Path(path).resolve() == _ROOT:
+            return pytest.Dir.from_parent(parent, path=path)
+        return None
+
+
+def pytest_configure(config):
+    if not config.pluginmanager.has_plugin("qkv-root-as-plain-directory"):
+        config.pluginmanager.register(_RootAsPlainDirectory(), "qkv-root-as-plain-directory")
