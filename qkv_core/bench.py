@@ -300,16 +300,16 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (WanSelfAttentionWorkload()
 def scaled_runtime(scale: float):
     """Scales the runtime's absolute token-count constants by 1/scale, with the token counts, so that a
     scaled run splits and chunks exactly as the full-size one: the Head Split floor (8192 tokens) and the
-    rows_ chunk (2^23 elements). Restored on exit."""
-    saved = (_head_split.SPLIT_FLOOR_TOKENS, _runtime.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS)
+    rows_ chunk bounds (2^23 and 2^16 elements). Restored on exit."""
+    saved = (_head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS)
     if scale != 1:
-        floor = max(1, math.ceil(saved[0] / scale))
-        _head_split.SPLIT_FLOOR_TOKENS = _runtime.SPLIT_FLOOR_TOKENS = floor
-        _runtime.ROWS_CHUNK_ELEMENTS = max(1, int(saved[2] / scale))
+        _head_split.SPLIT_FLOOR_TOKENS = max(1, math.ceil(saved[0] / scale))
+        _runtime.ROWS_CHUNK_ELEMENTS = max(1, int(saved[1] / scale))
+        _runtime.ROWS_MIN_CHUNK_ELEMENTS = max(1, int(saved[2] / scale))
     try:
         yield
     finally:
-        _head_split.SPLIT_FLOOR_TOKENS, _runtime.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS = saved
+        _head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS = saved
 
 
 # ------------------------------------------------------------------------------------------------------

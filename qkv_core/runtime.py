@@ -15,25 +15,30 @@ from typing import Callable, Optional
 import torch
 
 from .backends import StagedCore, pay_attention, resolve_backend
-from .head_split import SPLIT_FLOOR_TOKENS, HeadGroup, group_count, head_groups, parse_level
+from . import head_split
+from .head_split import HeadGroup, group_count, head_groups, parse_level
 from .notices import notice_once
 from .prefix import KVPrefix, PrefixLayer
 from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 from .q8 import dequantize_q8_into
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
+ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 
 _OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
             "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant")
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-    """Sets `tensor[:, a:b] = fn(tensor[:, a:b], a, b)` by chunks of tokens (dim 1) of `[start, stop)`, about
-    2^23 elements a chunk: a per-token function (norm, RoPE) applied in place with bounded scratch.
-    `fn` may change its argument in place and return it, or return a new tensor."""
+    """Sets `tensor[:, a:b] = fn(tensor[:, a:b], a, b)` by chunks of tokens (dim 1) of `[start, stop)`: a
+    per-token function (norm, RoPE) applied in place with bounded scratch. A chunk holds at most 2^23
+    elements and at most a quarter of the range (at least 2^16 elements), so the scratch stays small next to
+    the tensor itself whatever its size. `fn` may change its argument in place and return it, or return a
+    new tensor (copied back)."""
     stop = tensor.shape[1] if stop is None else stop
     per_token = max(1, tensor[:, :1].numel())
-    step = max(1, ROWS_CHUNK_ELEMENTS // per_token)
+    budget = min(ROWS_CHUNK_ELEMENTS, max(ROWS_MIN_CHUNK_ELEMENTS, (stop - start) * per_token // 4))
+    step = max(1, budget // per_token)
     for a in range(start, stop, step):
         b = min(a + step, stop)
         part = tensor[:, a:b]
@@ -161,6 +166,9 @@ class _Call:
                              "attention_fn (an attention_fn applies its own scale)")
         if o.norm_stats is not None and not o.norm_spans_heads:
             raise ValueError("norm_stats is only used with norm_spans_heads=True: pass both, or neither")
+        if o.attention_fn is None and any("extra" in s.proj for s in self.sources):
+            raise ValueError("a fourth projection (extra_proj) is only handed to attention_fn: pass attention_fn, "
+                             "or drop the fourth projection")
         if o.fused_quant is not None and o.attention_fn is not None:
             raise ValueError("fused_quant needs the staged quantizers, which attention_fn turns off: pass one "
                              "of them")
@@ -216,7 +224,7 @@ class _Call:
             count = group_count(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level)
         if count > 1:
             for source in self.sources:
-                if batch * source.tokens < SPLIT_FLOOR_TOKENS:
+                if batch * source.tokens < head_split.SPLIT_FLOOR_TOKENS:
                     continue  # short: projected whole once and sliced
                 for name, proj in source.proj.items():
                     reason = proj.not_row_sliceable()
@@ -228,7 +236,10 @@ class _Call:
         return head_groups(self.heads, self.kv_heads, count)
 
     # --- norm statistics -------------------------------------------------------------------------------
-    def _mean_squares(self, groups) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mean_squares(self, groups, q_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token mean of squares over all heads of q and of k, float32 `(B, N, 1)`: from the model's
+        `norm_stats(project)`, else by projecting group by group. With `q_out`, q is projected into it on
+        the way (the split path keeps q there), so only k is projected twice."""
         d = self.head_dim
 
         def project(which: str, head_range: range) -> torch.Tensor:
@@ -241,15 +252,20 @@ class _Call:
 
         if self.o.norm_stats is not None:
             q_ms, k_ms = self.o.norm_stats(project)
+            if q_out is not None:
+                self._project_q_into(q_out, groups)
             return q_ms, k_ms
         stats = []
         for which, tokens, total_heads, attr in (("q", self.q_tokens, self.heads, "q"),
                                                   ("k", self.kv_tokens, self.kv_heads, "kv")):
             acc = torch.zeros((self.batch, tokens), dtype=torch.float32, device=self._device)
-            for group in groups:
-                part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
-                _sum_squares(part, acc)
-                del part
+            if which == "q" and q_out is not None:
+                self._project_q_into(q_out, groups, acc)
+            else:
+                for group in groups:
+                    part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
+                    _sum_squares(part, acc)
+                    del part
             stats.append(acc.div_(total_heads * d).unsqueeze(-1))
         return stats[0], stats[1]
 
@@ -297,22 +313,38 @@ class _Call:
         try:
             for source in self.sources:
                 source.prepare()
+            out = torch.empty((self.batch, self.q_tokens, self.heads, d), dtype=dtype, device=self._device)
+            # Split and not staged: every group's q is projected first, into the output buffer (each group's
+            # attention then overwrites its own q), so q costs no memory of its own and is projected once,
+            # also when a spanning norm needs its statistics before any group can be normalized.
+            q_in_out = len(groups) > 1 and staged is None
             if o.norm_spans_heads and len(groups) > 1:
-                q_ms, k_ms = self._mean_squares(groups)
+                q_ms, k_ms = self._mean_squares(groups, out if q_in_out else None)
                 groups = [g._replace(mean_squares=(q_ms, k_ms)) for g in groups]
                 del q_ms, k_ms
-            out = torch.empty((self.batch, self.q_tokens, self.heads, d), dtype=dtype, device=self._device)
+            elif q_in_out:
+                self._project_q_into(out, groups)
             shared_kv = all(s.shared_kv for s in self.kv_sources)
             for index, group in enumerate(groups):
                 last = index == len(groups) - 1
                 if staged is not None:
                     self._group_staged(staged, group, out, last, shared_kv)
                 else:
-                    self._group(group, out, last, shared_kv)
+                    self._group(group, out, last, shared_kv, q_in_out)
             return out
         finally:
             for source in self.sources:
                 source.release()
+
+    def _project_q_into(self, out: torch.Tensor, groups, sum_squares: Optional[torch.Tensor] = None) -> None:
+        """q of every group into its heads of `out` (`sum_squares` (B, Nq) float32 += their squares); the q
+        projections are released after the last group."""
+        for index, group in enumerate(groups):
+            q = self._project("q", group.q, last=index == len(groups) - 1)
+            if sum_squares is not None:
+                _sum_squares(q, sum_squares)
+            out[:, :, group.q.start:group.q.stop] = q
+            del q
 
     def _project_v(self, group: HeadGroup, last: bool, shared_kv: bool, k_later: bool):
         """(k, v) of a group: v normalized by norm_v and joined with the prefix. With a shared k/v module in
@@ -363,12 +395,14 @@ class _Call:
         return _join(lambda s: s.rows(which, group_range.start * d, group_range.stop * d, release=last),
                      sources, sum(s.tokens for s in sources), len(group_range), d)
 
-    def _group(self, group: HeadGroup, out: torch.Tensor, last: bool, shared_kv: bool) -> None:
+    def _group(self, group: HeadGroup, out: torch.Tensor, last: bool, shared_kv: bool, q_in_out: bool) -> None:
         """q, then k, then v, each normalized as soon as it is projected: the norm's scratch is live beside
-        at most two of the three (q, k, v and the scratch together would raise the peak)."""
+        at most two of the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was
+        projected into this group's heads of `out` (normalized here in place, a strided view)."""
         o = self.o
         norm = self.norm_rope
-        q = self._project("q", group.q, last)
+        heads = slice(group.q.start, group.q.stop)
+        q = out[:, :, heads] if q_in_out else self._project("q", group.q, last)
         if norm is not None:
             norm(q, None, group)
         if shared_kv:
@@ -382,7 +416,7 @@ class _Call:
                 norm(None, k, group)
             k = self._join_k_prefix(k, group)
             _, v = self._project_v(group, last, shared_kv, k_later=False)
-        extra = self._project("extra", group.q, last) if any("extra" in s.proj for s in self.q_sources) else None
+        extra = self._project("extra", group.q, last) if "extra" in self.q_sources[0].proj else None
         if o.attention_fn is not None:
             qkv = [q, k, v] if extra is None else [q, k, v, extra]
             del q, k, v, extra

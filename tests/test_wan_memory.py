@@ -13,7 +13,9 @@ import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
-WIDTH, HEADS, FFN, TOKENS, TEXT = 512, 4, 1384, 12288, 512   # Wan 14B's FFN ratio (13824 / 5120)
+# 16 heads: Wan models have 12 to 40 (14B: 40, split in 20 groups at High). The split bounds a group's
+# q/k/v to 1/groups of |x|, so a model of 4 heads (4 groups at most) could not show the bound.
+WIDTH, HEADS, FFN, TOKENS, TEXT = 512, 16, 1384, 12288, 512   # Wan 14B's FFN ratio (13824 / 5120)
 
 
 def build_block(torch):
