@@ -3,6 +3,7 @@
     python -m qkv_core.bench                     # CUDA if present, else a scaled CPU run
     python -m qkv_core.bench --json              # machine-readable results
     python -m qkv_core.bench --plot bench-wan.png
+    python -m qkv_core.bench --comfyui [PATH]    # ComfyUI's real Wan 14B block (nodes/bench_wan.py)
 
 The layer: width 5120, 40 heads of 128, q/k/v/o Linear with bias, RMSNorm over all 5120 channels of q and of
 k (eps 1e-6, with a weight), RoPE with Wan's 3-axis frequencies (interleaved pairs, axes [44, 42, 42] over
@@ -19,18 +20,29 @@ Peak = working set above the live input and weights (the result included), also 
 |x| = tokens x 5120 x 2 bytes (one bf16 activation). On CUDA: the allocator's peak and CUDA-event times at
 the real token counts. On CPU: `qkv_core.memory` (MemTracker), with the token counts scaled down (see
 `--cpu-scale`). The workloads are pluggable: see `Workload` and `WORKLOADS`.
+
+`--comfyui [PATH]`: ComfyUI's own `WanAttentionBlock` (Wan 2.x 14B: self-attention, cross-attention, FFN),
+stock against the pack's Wan adapter (attention forwards only, and the bounded block). ComfyUI is taken from
+PATH, else $COMFYUI_PATH, else the ComfyUI above this repository (custom_nodes/<pack>), else ~/ComfyUI. The
+workload lives in the pack (`nodes/bench_wan.py`) and is loaded by file path, without the pack's `__init__.py`
+files (they import comfy_api); `qkv_core` itself never imports ComfyUI (see `load_comfyui_workload`).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
 import json
 import math
 import os
 import platform
 import sys
 import time
+import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -233,13 +245,27 @@ class Prepared:
     unit_bytes: int                       # |x|: bytes of one activation of the layer
     methods: list
     notes: list = field(default_factory=list)
+    #: optional: run after the methods; returns [(label, peak bytes), ...] (e.g. the parts of the reference)
+    extras: Optional[Callable[[], list]] = None
 
 
 class Workload:
     """A thing to benchmark. `cases(args)` lists the sizes; `setup(case, device, dtype, args)` builds the
-    weights and returns a `Prepared` whose first method is the reference the others are compared with."""
+    weights and returns a `Prepared` whose first method is the reference the others are compared with.
+    `scaled(scale)`: a context for scaled CPU runs, for absolute token constants of the workload's own code
+    (the runtime's are scaled by `scaled_runtime`), described by `scaling_notes(scale)`."""
     name = "?"
     title = "?"
+    label: Optional[str] = None       # when set, the head of every table starts with it
+    default_levels = "off,low,medium,high"
+    default_cpu_scale = DEFAULT_CPU_SCALE
+    default_cpu_threads: Optional[int] = None   # None: torch's
+
+    def scaled(self, scale: float):
+        return contextlib.nullcontext()
+
+    def scaling_notes(self, scale: float) -> list:
+        return []
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         pass
@@ -350,8 +376,14 @@ def measure(workload: Workload, case: Case, device, dtype, args) -> dict:
         if args.verbose:
             print(f"  {case.name}: {method.name}: peak {row['peak_x']:.2f}x |x|, {timing.median_s * 1e3:.0f} ms",
                   file=sys.stderr, flush=True)
-    return dict(case=case.name, tokens=case.tokens, full_tokens=case.full_tokens, unit_bytes=prepared.unit_bytes,
-                notes=prepared.notes, rows=rows)
+    del reference
+    parts = []
+    if prepared.extras is not None:
+        for label, peak_bytes in prepared.extras():
+            parts.append(dict(part=label, peak_bytes=peak_bytes, peak_gib=peak_bytes / GiB,
+                              peak_x=peak_bytes / prepared.unit_bytes))
+    return dict(case=case.name, label=workload.label, tokens=case.tokens, full_tokens=case.full_tokens,
+                unit_bytes=prepared.unit_bytes, notes=prepared.notes, rows=rows, parts=parts)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -383,6 +415,8 @@ def machine_info(device: torch.device) -> dict:
 def format_table(result: dict, device: torch.device) -> str:
     scaled = result["tokens"] != result["full_tokens"]
     head = result["case"]
+    if result.get("label"):
+        head = f"{result['label']}, {head}"
     if not head.endswith(" tokens") or scaled:
         head += f": {result['tokens']:,} tokens run"
     if scaled:
@@ -397,6 +431,10 @@ def format_table(result: dict, device: torch.device) -> str:
         cpu_time = f" {row['cpu_time_s'] * 1e3:,.0f} |" if cpu else ""
         lines.append(f"| {row['method']} | {row['groups'] or '-'} | {row['peak_gib']:.4f} | {row['peak_x']:.2f} | "
                      f"{row['time_s'] * 1e3:,.0f} |{cpu_time} {row['max_abs_diff']:.3g} | {row['rel_diff']:.2g} |")
+    if result.get("parts"):
+        reference = result["rows"][0]["method"]
+        lines += ["", f"{reference}, parts alone (peak above the part's input, its result included): " + ", ".join(
+            f"{p['part']} {p['peak_gib']:.4f} GiB = {p['peak_x']:.2f} x|x|" for p in result["parts"])]
     return "\n".join(lines)
 
 
@@ -431,6 +469,115 @@ def plot(results: list, path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+
+# ------------------------------------------------------------------------------------------------------
+# --comfyui: ComfyUI's own Wan block, through the pack's adapter
+# ------------------------------------------------------------------------------------------------------
+
+PACK_ROOT = Path(__file__).resolve().parent.parent
+#: the package name the pack is loaded under for the benchmark (never ComfyUI's top-level `nodes`)
+PACK_PACKAGE = "comfyui_qkv_bench"
+COMFYUI_WORKLOAD_FILE = PACK_ROOT / "nodes" / "bench_wan.py"
+
+
+def _is_comfyui_root(path: Path) -> bool:
+    return (path / "comfy").is_dir() and (path / "comfyui_version.py").is_file()
+
+
+def find_comfyui(path: Optional[str] = None) -> Path:
+    """ComfyUI's root: `path`, else $COMFYUI_PATH, else the ComfyUI this repository is installed in
+    (ComfyUI/custom_nodes/<pack>), else ~/ComfyUI. SystemExit with the places looked at when none is."""
+    if path or os.environ.get("COMFYUI_PATH"):
+        given = Path(path or os.environ["COMFYUI_PATH"]).expanduser().resolve()
+        if not _is_comfyui_root(given):
+            raise SystemExit(f"--comfyui: {given} is not a ComfyUI checkout (needs comfy/ and comfyui_version.py)")
+        return given
+    candidates = [Path(os.path.abspath(__file__)).parents[2], PACK_ROOT.parent.parent, Path.home() / "ComfyUI"]
+    for candidate in candidates:
+        if _is_comfyui_root(candidate):
+            return candidate.resolve()
+    raise SystemExit("--comfyui: no ComfyUI found (give its path: --comfyui PATH, or set COMFYUI_PATH); looked at "
+                     + ", ".join(str(c) for c in candidates))
+
+
+def _torchvision_stub_if_missing() -> bool:
+    """ComfyUI imports torchvision unguarded in places; a CPU-only torch may have none that works. A bare
+    package stands in only when the real one fails to import. True when stubbed."""
+    try:
+        import torchvision  # noqa: F401
+        return False
+    except Exception:  # noqa: BLE001 - missing, or built for another torch
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+    for name in ("torchvision", "torchvision.transforms"):
+        module = types.ModuleType(name)
+        # a real spec: transformers calls importlib.util.find_spec("torchvision"), which needs one
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name == "torchvision")
+        if name == "torchvision":
+            module.__path__ = []
+            module.__version__ = "0.0.0+qkv_bench_stub"
+        sys.modules[name] = module
+    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]
+    return True
+
+
+def setup_comfyui(root: Path, device: torch.device) -> list:
+    """Makes ComfyUI at `root` importable and imports `comfy.model_management`. Without CUDA (or with a CPU
+    `--device`) ComfyUI runs in its CPU mode with its PyTorch (SDPA) attention, flags set before
+    `comfy.model_management` reads them; on CUDA its own defaults stay (SDPA on NVIDIA). Returns notes."""
+    notes = []
+    sys.path[:] = [p for p in sys.path if not (p and os.path.abspath(p) == str(root))]
+    sys.path.insert(0, str(root))
+    comfy = sys.modules.get("comfy")
+    if comfy is not None and not str(Path(comfy.__path__[0]).resolve()).startswith(str(root)):
+        raise SystemExit(f"--comfyui: `comfy` is already imported from {comfy.__path__[0]}, not from {root}")
+    if _torchvision_stub_if_missing():
+        notes.append("torchvision: not importable, a stub stands in")
+    import comfy.cli_args
+    if device.type != "cuda":
+        if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:
+            raise SystemExit("--comfyui: comfy.model_management was imported before its CPU flag could be set")
+        comfy.cli_args.args.cpu = True
+        comfy.cli_args.args.use_pytorch_cross_attention = True
+        notes.append("ComfyUI flags: --cpu --use-pytorch-cross-attention")
+    importlib.import_module("comfy.model_management")
+    return notes
+
+
+def _package(name: str, path: Path) -> types.ModuleType:
+    """An empty package `name` whose submodules are found in `path` (its __init__.py is not run)."""
+    spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+    spec.submodule_search_locations = [str(path)]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    return module
+
+
+def load_comfyui_workload(path: Optional[str], device: torch.device) -> Workload:
+    """Sets ComfyUI up (`setup_comfyui`) and loads `nodes/bench_wan.py` as `<PACK_PACKAGE>.nodes.bench_wan`.
+
+    The pack's root and `nodes` packages are made as empty package objects with the right `__path__`, so
+    neither `__init__.py` runs (they import comfy_api: pydantic, av, ...), while the relative imports of
+    `nodes/wan.py` (`from ..qkv_core import ...`, `from .comfy_ops import ...`) work. `<PACK_PACKAGE>.qkv_core`
+    is this process's `qkv_core` (same module objects), so `scaled_runtime` and the notices reach the code
+    the adapter calls."""
+    if not COMFYUI_WORKLOAD_FILE.is_file():
+        raise SystemExit(f"--comfyui needs the repository checkout (no {COMFYUI_WORKLOAD_FILE})")
+    root = find_comfyui(path)
+    notes = setup_comfyui(root, device)
+    if PACK_PACKAGE not in sys.modules:
+        pack = _package(PACK_PACKAGE, PACK_ROOT)
+        _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
+        for name, module in list(sys.modules.items()):
+            if name == "qkv_core" or name.startswith("qkv_core."):
+                sys.modules[f"{PACK_PACKAGE}.{name}"] = module
+        pack.qkv_core = qkv_core
+    module = importlib.import_module(PACK_PACKAGE + ".nodes.bench_wan")
+    workload = module.make_workload(sys.modules[__name__])
+    workload.comfyui_root = str(root)
+    workload.setup_notes = [f"ComfyUI from {root}"] + notes
+    return workload
+
 # ------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------
@@ -439,24 +586,50 @@ _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.flo
            "fp32": torch.float32, "float32": torch.float32}
 
 
+def _device(name: Optional[str]) -> torch.device:
+    device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _comfyui_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--comfyui", nargs="?", const="", default=None, metavar="PATH",
+                        help="benchmark ComfyUI's own Wan 2.x 14B block (WanAttentionBlock) stock against the pack's "
+                             "adapter; ComfyUI from PATH, else $COMFYUI_PATH, else above this repo, else ~/ComfyUI")
+
+
 def parse_args(argv=None):
+    # --comfyui first: its workload (and its options) exist only once ComfyUI is imported
+    pre = argparse.ArgumentParser(add_help=False)
+    _comfyui_option(pre)
+    pre.add_argument("--device", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.comfyui is not None:
+        workload = load_comfyui_workload(known.comfyui or None, _device(known.device))
+        WORKLOADS[workload.name] = workload
+
     parser = argparse.ArgumentParser(prog="python -m qkv_core.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="wan-self-attention")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
+                        help="default: wan-self-attention (comfyui-wan-block with --comfyui)")
+    _comfyui_option(parser)
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when available)")
     parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
     parser.add_argument("--tokens", default=None,
                         help="comma-separated token counts to run as given (default: 480p and 720p x 81 frames, "
                              "scaled on CPU)")
-    parser.add_argument("--levels", default="off,low,medium,high",
-                        help="Head Split levels to run, comma-separated names or 0-3 (default: all)")
+    parser.add_argument("--levels", default=None,
+                        help="Head Split levels to run, comma-separated names or 0-3 (default: all; with "
+                             "--comfyui: high)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default: CUDA 10, CPU 3)")
     parser.add_argument("--warmup", type=int, default=0,
                         help="extra untimed runs before timing (the memory-measured run already warms up)")
     parser.add_argument("--cpu-scale", type=float, default=None,
-                        help=f"CPU only: divide the default token counts by this (default {DEFAULT_CPU_SCALE}); "
+                        help=f"CPU only: divide the default token counts by this (default {DEFAULT_CPU_SCALE}, "
+                             "with --comfyui 32); "
                              "the runtime's token-count thresholds are scaled alike")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU: torch threads (default: torch's). On a machine shared with other jobs, 1 "
+                        help="CPU: torch threads (default: torch's; with --comfyui 1). On a machine shared with other jobs, 1 "
                              "avoids OpenMP threads waiting on each other, which swamps paths of many small ops")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print machine-readable results instead of tables")
@@ -466,9 +639,14 @@ def parse_args(argv=None):
         workload.add_arguments(parser)
     args = parser.parse_args(argv)
 
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and args.device.index is None:
-        args.device = torch.device("cuda", torch.cuda.current_device())
+    if args.comfyui is not None:
+        if args.workload not in (None, "comfyui-wan-block"):
+            parser.error("--comfyui runs the comfyui-wan-block workload; leave --workload out")
+        args.workload = "comfyui-wan-block"
+    elif args.workload is None:
+        args.workload = "wan-self-attention"
+    args.levels = args.levels or WORKLOADS[args.workload].default_levels
+    args.device = _device(args.device)
     args.dtype_name, args.dtype = args.dtype, _DTYPES[args.dtype]
     args.tokens = [int(t.replace("_", "")) for t in args.tokens.split(",")] if args.tokens else None
     args.levels = [qkv_core.parse_level(int(v) if v.strip().isdigit() else v) for v in args.levels.split(",")]
@@ -481,7 +659,7 @@ def parse_args(argv=None):
     elif args.tokens and args.cpu_scale is None:
         args.scale = 1.0
     else:
-        args.scale = float(args.cpu_scale or DEFAULT_CPU_SCALE)
+        args.scale = float(args.cpu_scale or WORKLOADS[args.workload].default_cpu_scale)
     return args
 
 
@@ -500,14 +678,17 @@ def scaling_note(args, cases) -> Optional[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     workload = WORKLOADS[args.workload]
+    threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     device, dtype = args.device, args.dtype
     if args.plot:
         _pyplot()  # fail before the runs, not after
     cases = workload.cases(args)
     note = scaling_note(args, cases)
+    if note:
+        note = " ".join([note] + workload.scaling_notes(args.scale))
     started = time.perf_counter()
     if device.type == "cpu":
         problem = check_cpu_tracker()
@@ -515,13 +696,14 @@ def main(argv=None) -> int:
             print(f"warning: the CPU memory measurement failed its self-check ({problem}); peaks may be wrong",
                   file=sys.stderr)
     results = []
-    with torch.no_grad(), scaled_runtime(args.scale):
+    with torch.no_grad(), scaled_runtime(args.scale), workload.scaled(args.scale):
         for case in cases:
             results.append(measure(workload, case, device, dtype, args))
     elapsed = time.perf_counter() - started
     machine = machine_info(device)
     report = dict(workload=workload.name, title=workload.title, machine=machine, dtype=args.dtype_name,
-                  scale=args.scale, scaling=note, repeats=args.repeats, elapsed_s=elapsed, results=results)
+                  scale=args.scale, scaling=note, setup=getattr(workload, "setup_notes", []), repeats=args.repeats,
+                  warmup=args.warmup, elapsed_s=elapsed, results=results)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
     else:
@@ -530,6 +712,8 @@ def main(argv=None) -> int:
         print(f"{where}, torch {machine['torch']}, {args.dtype_name}; peak = working set above the live input and "
               f"weights (result included); time = median of {args.repeats} runs; "
               f"{'CUDA allocator peaks, CUDA events' if device.type == 'cuda' else 'MemTracker peaks; time = wall clock (perf_counter), CPU time = process CPU time, all threads'}")
+        for line in report["setup"]:
+            print(line)
         if note:
             print(note)
         for result in results:

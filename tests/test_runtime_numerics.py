@@ -665,11 +665,22 @@ def test_rows_chunks_and_bounds():
     want = torch.arange(60, dtype=torch.float32).view(2, 10, 3)
     want[:, 2:7] *= 2
     assert torch.equal(t, want)
-    big = torch.zeros(1, 3 * (1 << 21), 4)  # 2^23 elements a chunk -> chunks of 2^21 tokens
+    # at most 2^23 elements a chunk -> chunks of 2^21 tokens of 4 elements
+    big = torch.zeros(1, 5 * (1 << 21), 4)
     spans = []
     qc.rows_(big, lambda p, a, b: spans.append((a, b)) or p.add_(1))
-    assert spans == [(0, 1 << 21), (1 << 21, 2 << 21), (2 << 21, 3 << 21)]
+    assert spans == [(i << 21, (i + 1) << 21) for i in range(5)]
     assert bool((big == 1).all())
+    # and at most a quarter of the range (scratch stays small next to the tensor)
+    mid = torch.zeros(1, 1 << 20, 4)
+    spans.clear()
+    qc.rows_(mid, lambda p, a, b: spans.append((a, b)) or p)
+    assert spans == [(i << 18, (i + 1) << 18) for i in range(4)]
+    # but not below 2^16 elements
+    small = torch.zeros(1, 1 << 15, 4)
+    spans.clear()
+    qc.rows_(small, lambda p, a, b: spans.append((a, b)) or p)
+    assert spans == [(0, 1 << 14), (1 << 14, 1 << 15)]
 
 
 def test_entry_points_are_compiler_disabled():

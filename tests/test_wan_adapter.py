@@ -110,13 +110,38 @@ def test_block_patch_covers_every_block_and_vace_block(env):
 
 
 def test_sampling_gives_the_same_latent(env):
+    """3 steps of `comfy.sample.sample`; cond and uncond are batched: 2 x 4,224 tokens, so it splits."""
+    size = dict(SIZE, batch=1)
     base = comfy_env.make_wan("t2v", **MODEL)
-    stock = comfy_env.run_sample(base, **SIZE)
+    stock = comfy_env.run_sample(base, **size)
     patched, _ = env.node.apply_patch(base, "High", "auto", True)
-    latent = comfy_env.run_sample(patched, **SIZE)
+    with SdpaHeads(env.torch) as spy:
+        latent = comfy_env.run_sample(patched, **size)
+    assert set(spy.self_heads) == {1}       # High: 8 groups of one head, in every step
     assert rel_err(latent, stock) <= 1e-5
     # the input MODEL (another branch of the workflow) still samples as stock
-    assert rel_err(comfy_env.run_sample(base, **SIZE), stock) <= 1e-6
+    assert rel_err(comfy_env.run_sample(base, **size), stock) <= 1e-6
+
+
+@pytest.mark.parametrize("e_shape", [(2, 6, 32), (2, 1, 6, 32), (2, 5, 6, 32), (2, 7, 6, 32), (2, 40, 6, 32),
+                                     (2, 41, 6, 32)], ids=["B6C", "B16C", "frames-divide", "frames-uneven",
+                                                           "per-token", "more-than-tokens"])
+def test_modulation_by_token_range_matches_repeat_e(env, e_shape):
+    """The bounded block takes Wan's modulation a token range at a time, as `repeat_e` would repeat it."""
+    torch = env.torch
+    import comfy.ldm.wan.model as wan_model
+    block = torch.nn.Module()
+    block.modulation = torch.nn.Parameter(torch.randn(1, 6, 32))
+    e, x = torch.randn(e_shape), torch.randn(2, 40, 32)
+    if len(e_shape) < 4:
+        stock = (block.modulation + e).chunk(6, dim=1)
+    else:
+        stock = (block.modulation.unsqueeze(0) + e).unbind(2)
+    modulation = env.wan._Modulation(block, e, x)
+    for index in range(6):
+        full = wan_model.repeat_e(stock[index], x).expand_as(x)
+        for a, b in ((0, 40), (3, 17), (39, 40)):
+            assert torch.equal(modulation(index, a, b).expand(2, b - a, 32), full[:, a:b]), (index, a, b)
 
 
 def _lora_patches(torch, model, seed=3):

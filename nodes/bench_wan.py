@@ -1,0 +1,218 @@
+"""Benchmark workload: ComfyUI's own Wan 2.x 14B `WanAttentionBlock` (`python -m qkv_core.bench --comfyui`).
+
+Not part of the node pack's runtime. `qkv_core/bench.py` loads this file by path inside a package it makes for
+the pack, without running the pack's `__init__.py` or `nodes/__init__.py` (they import `comfy_api`, which needs
+packages a bare benchmark machine lacks), after it has put ComfyUI on `sys.path` and set its flags. It then
+calls `make_workload(bench)` with the running bench module.
+
+The block: `comfy.ldm.wan.model.WanAttentionBlock("t2v_cross_attn", 5120, 13824, 40, qk_norm=True,
+cross_attn_norm=True, eps=1e-6)` with `comfy.ops.disable_weight_init` layers, random bf16 weights. Its inputs
+as `WanModel.forward_orig` passes them: x `(1, N, 5120)`, e0 `(1, 1, 6, 5120)` (plain T2V/I2V), freqs from
+`EmbedND(128, 10000, [44, 42, 42])` over the (t, h, w) ids in x's dtype, `.movedim(1, 2)`, context
+`(1, 512, 5120)`. Methods: "stock" = the block's own forward (ComfyUI's attention); "qkv attention only" =
+`self_attn` / `cross_attn` forwards replaced by the adapter's (instance attributes, restored after), block
+forward stock; "qkv block" = `wan.bounded_block_forward`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple
+
+import torch
+
+import comfy.ldm.flux.math as flux_math
+import comfy.ldm.modules.attention as comfy_attention
+import comfy.ldm.wan.model as wan_model
+import comfy.model_management
+import comfy.ops
+from comfy.ldm.flux.layers import EmbedND
+
+from . import comfy_ops, wan
+from ..qkv_core import LEVEL_NAMES, group_count
+from ..qkv_core.memory import GiB, measure_peak
+
+WIDTH, HEADS, HEAD_DIM, FFN, TEXT_TOKENS, EPS = 5120, 40, 128, 13824, 512, 1e-6
+CHUNK_MIN_TOKENS = 256   # comfy_ops.chunk_tokens' `minimum`: an absolute token count, scaled on scaled runs
+
+
+class BenchConfig(NamedTuple):
+    """Same fields as `patch_node.QKVConfig` (not imported: patch_node imports comfy_api)."""
+    level: int
+    backend: str
+    block: bool
+
+
+def comfyui_version() -> str:
+    try:
+        import comfyui_version
+        return comfyui_version.__version__
+    except Exception:  # noqa: BLE001 - a checkout without the file
+        return "?"
+
+
+def fill_random_(module: torch.nn.Module, seed: int) -> None:
+    """ComfyUI's ops leave parameters uninitialised: Linear weights N(0, 1/fan_in), norm weights
+    1 + N(0, 0.1^2), modulation N(0, 0.3^2) (gates of about 0.3), biases N(0, 0.02^2). Drawn on the
+    parameter's device in float32, then cast."""
+    generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            v = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "weight" and "norm" in name:
+                v.mul_(0.1).add_(1.0)
+            elif leaf == "weight" and p.ndim >= 2:
+                v.div_(math.sqrt(math.prod(p.shape[1:])))
+            elif "modulation" in leaf:
+                v.mul_(0.3)
+            else:
+                v.mul_(0.02)
+            p.copy_(v)
+            del v
+
+
+def build_block(device, dtype, seed: int) -> torch.nn.Module:
+    settings = {"operations": comfy.ops.disable_weight_init, "device": device, "dtype": dtype}
+    block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True, cross_attn_norm=True,
+                                        eps=EPS, operation_settings=settings)
+    fill_random_(block, seed)
+    return block.eval().requires_grad_(False)
+
+
+def rope_freqs(grid, tokens: int, device, dtype) -> torch.Tensor:
+    """`WanModel.rope_encode` for the first `tokens` positions of the latent grid (t, h, w): ids in x's
+    dtype, `EmbedND(...)(ids).movedim(1, 2)` -> float32 `(1, tokens, 1, 64, 2, 2)`."""
+    t, h, w = grid
+    if tokens > t * h * w:
+        t = math.ceil(tokens / (h * w))
+    ids = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
+    ids = ids.reshape(1, -1, 3)[:, :tokens].to(device=device, dtype=dtype)
+    d = HEAD_DIM
+    embed = EmbedND(dim=d, theta=10000.0, axes_dim=[d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)])
+    return embed(ids).movedim(1, 2)
+
+
+@contextlib.contextmanager
+def patched_attention(block, config):
+    """The adapter's attention forwards as instance attributes (as ComfyUI's object patches set them)."""
+    block.self_attn.forward = wan.patched_self_attention_forward(block.self_attn, config)
+    block.cross_attn.forward = wan.patched_cross_attention_forward(block.cross_attn, config)
+    try:
+        yield
+    finally:
+        del block.self_attn.forward
+        del block.cross_attn.forward
+
+
+def stock_part_peaks(block, x, e, freqs, context, device, live) -> list:
+    """Peaks of the stock block's three parts, each above its own input (and the block's inputs and weights),
+    its result included: self-attention of the modulated input, cross-attention of norm3(x), FFN of the
+    modulated x."""
+    parts = []
+    mod = comfy.model_management.cast_to(block.modulation, dtype=x.dtype, device=x.device).unsqueeze(0)
+    ee = (mod + e).unbind(2)
+    inp = torch.addcmul(ee[0], block.norm1(x), 1 + ee[1])
+    peak = measure_peak(block.self_attn, inp, freqs, device=device, live=[live, ee])
+    parts.append(("self-attention", peak.peak_bytes))
+    x = torch.addcmul(x, peak.result, ee[2])
+    del inp, peak
+    inp = block.norm3(x)
+    peak = measure_peak(block.cross_attn, inp, context, device=device, live=[live, ee, x])
+    parts.append(("cross-attention", peak.peak_bytes))
+    x = x + peak.result
+    del inp, peak
+    inp = torch.addcmul(ee[3], block.norm2(x), 1 + ee[4])
+    del x
+    peak = measure_peak(block.ffn, inp, device=device, live=[live, ee])
+    parts.append(("FFN", peak.peak_bytes))
+    del inp, peak
+    return parts
+
+
+def make_workload(bench):
+    """The workload class, built on the running bench module's `Workload` and dataclasses."""
+
+    class ComfyUIWanBlockWorkload(bench.Workload):
+        name = "comfyui-wan-block"
+        default_levels = "high"
+        default_cpu_scale = 32    # a whole block (several times the self-attention's work) in minutes on 2 cores
+        default_cpu_threads = 1   # 2 threads on a shared 2-core machine ran the block 1.5-6x slower
+
+        def __init__(self):
+            self.version = comfyui_version()
+            self.label = f"ComfyUI v{self.version} Wan 2.x 14B block"
+            self.title = (f"{self.label}: comfy.ldm.wan.model.WanAttentionBlock(t2v, 5120 wide, FFN 13824, 40 "
+                          f"heads x 128, qk_norm, cross_attn_norm), random bf16 weights; e0 (1, 1, 6, 5120), "
+                          f"context 512 tokens")
+
+        def add_arguments(self, parser):
+            parser.add_argument("--qkv-backend", default="sdpa",
+                                help="comfyui workload: the attention backend of the qkv methods (default sdpa)")
+            parser.add_argument("--no-parts", action="store_true",
+                                help="comfyui workload: skip the stock per-part peaks")
+
+        def cases(self, args):
+            return bench.WORKLOADS["wan-self-attention"].cases(args)
+
+        @contextlib.contextmanager
+        def scaled(self, scale):
+            """The pack's chunking has one absolute token count (chunk_tokens' minimum of 256 tokens):
+            scaled with the tokens, like the runtime's constants, so a scaled run chunks as at full size."""
+            saved = comfy_ops.chunk_tokens.__defaults__
+            if scale != 1:
+                comfy_ops.chunk_tokens.__defaults__ = (max(1, math.ceil(CHUNK_MIN_TOKENS / scale)),)
+            try:
+                yield
+            finally:
+                comfy_ops.chunk_tokens.__defaults__ = saved
+
+        def scaling_notes(self, scale):
+            if scale == 1:
+                return []
+            return [f"The pack's token-chunk minimum (nodes/comfy_ops.chunk_tokens) is scaled alike: "
+                    f"{CHUNK_MIN_TOKENS} -> {max(1, math.ceil(CHUNK_MIN_TOKENS / scale))} tokens."]
+
+        def setup(self, case, device, dtype, args):
+            block = build_block(device, dtype, args.seed)
+            generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+            x0 = torch.randn(1, case.tokens, WIDTH, generator=generator).to(device=device, dtype=dtype)
+            e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to(device=device, dtype=dtype)
+            context = torch.randn(1, TEXT_TOKENS, WIDTH, generator=generator).to(device=device, dtype=dtype)
+            freqs = rope_freqs(case.grid, case.tokens, device, dtype)
+            inputs = dict(e=e, freqs=freqs, context=context)
+            live = [block, x0, e, freqs, context]
+
+            def stock(xl):
+                return block(xl[0], **inputs)
+
+            methods = [bench.Method(f"stock (ComfyUI v{self.version})", stock, 1)]
+            for level in args.levels:
+                config = BenchConfig(level, args.qkv_backend, True)
+                level_name = LEVEL_NAMES[level].capitalize()
+                groups = group_count(HEADS, case.tokens, level)
+
+                def attention_only(xl, config=config):
+                    with patched_attention(block, config):
+                        return block(xl[0], **inputs)
+
+                def bounded(xl, forward=wan.bounded_block_forward(block, config)):
+                    return forward(xl[0], **inputs)
+
+                methods.append(bench.Method(f"qkv attention only {level_name}", attention_only, groups))
+                methods.append(bench.Method(f"qkv block {level_name}", bounded, groups))
+
+            weights = sum(p.numel() * p.element_size() for p in block.parameters())
+            rope = flux_math.apply_rope1
+            notes = [f"ComfyUI {self.version}; attention: comfy.ldm.modules.attention.optimized_attention = "
+                     f"{getattr(comfy_attention.optimized_attention, '__name__', '?')}; apply_rope1: "
+                     f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')}; qkv backend "
+                     f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB"]
+            extras = None
+            if not args.no_parts:
+                def extras():
+                    return stock_part_peaks(block, x0, e, freqs, context, device, live)
+            return bench.Prepared(live=live, make_input=lambda: [x0], unit_bytes=x0.numel() * x0.element_size(),
+                                  methods=methods, notes=notes, extras=extras)
+
+    return ComfyUIWanBlockWorkload()
