@@ -51,6 +51,22 @@ def comfyui_version() -> str:
         return "?"
 
 
+def kitchen_note() -> str:
+    """comfy_kitchen (ComfyUI's kernels, e.g. its RoPE): version and the backends that are on, or absent."""
+    try:
+        import comfy_kitchen as ck
+        from importlib.metadata import version
+        backends = [name for name, info in ck.list_backends().items()
+                    if info.get("available") and not info.get("disabled")]
+        try:
+            ck_version = version("comfy-kitchen")
+        except Exception:  # noqa: BLE001 - imported from a path without metadata
+            ck_version = "?"
+        return f"comfy_kitchen {ck_version}, backends on: {', '.join(backends) or 'none'}"
+    except Exception as e:  # noqa: BLE001
+        return f"comfy_kitchen not importable ({type(e).__name__})"
+
+
 def fill_random_(module: torch.nn.Module, seed: int) -> None:
     """ComfyUI's ops leave parameters uninitialised: Linear weights N(0, 1/fan_in), norm weights
     1 + N(0, 0.1^2), modulation N(0, 0.3^2) (gates of about 0.3), biases N(0, 0.02^2). Drawn on the
@@ -206,7 +222,7 @@ def make_workload(bench):
             rope = flux_math.apply_rope1
             notes = [f"ComfyUI {self.version}; attention: comfy.ldm.modules.attention.optimized_attention = "
                      f"{getattr(comfy_attention.optimized_attention, '__name__', '?')}; apply_rope1: "
-                     f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')}; qkv backend "
+                     f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')} ({kitchen_note()}); qkv backend "
                      f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB"]
             extras = None
             if not args.no_parts:
