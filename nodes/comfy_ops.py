@@ -6,7 +6,8 @@
   multiplied in), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor
   matmuls, fp8 matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
 - `CastLinear`: the same cast, held for a whole layer call, applied to token chunks (FFN, output projection).
-- `rms_norm_group_`: an RMSNorm over all heads applied to one head group, from precomputed mean squares.
+- `rms_norm_rows` / `module_rows`: an RMSNorm over all heads on a chunk of one head group (from precomputed
+  mean squares), or the model's own norm on a chunk holding every head.
 - `chunk_tokens` / `for_token_chunks`: bounded token chunks.
 """
 from __future__ import annotations
@@ -151,27 +152,23 @@ def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
     return comfy.model_management.cast_to(weight, dtype=x.dtype, device=x.device)
 
 
-def rms_norm_group_(t: torch.Tensor, mean_squares: torch.Tensor, weight: Optional[torch.Tensor], eps: float,
-                    channels: range) -> None:
-    """In place: `t` `(B, N, h, D)` = one head group of a tensor whose RMSNorm spans all heads:
-    `t * rsqrt(mean_squares + eps) * weight[channels]`, with `mean_squares` float32 `(B, N, 1)`.
-    Computed in float32 by bounded token chunks, like `torch.nn.functional.rms_norm`'s own upcast."""
-    w = None if weight is None else weight[channels.start:channels.stop].view(t.shape[-2], t.shape[-1])
-
-    def apply(part, a, b):
-        scale = torch.rsqrt(mean_squares[:, a:b].float() + eps).unsqueeze(-1)
-        out = part.float().mul_(scale)
-        if w is not None:
-            out.mul_(w)  # in float32, as torch's rms_norm multiplies the weight before casting back
-        return out
-
-    rows_(t, apply)
+def rms_norm_rows(part: torch.Tensor, mean_squares: torch.Tensor, weight: Optional[torch.Tensor],
+                  eps: float) -> torch.Tensor:
+    """One token chunk `(B, n, h, D)` of one head group of a tensor whose RMSNorm spans all heads, from the
+    per-token mean of squares over all heads (float32 `(B, n, 1)`): `part * rsqrt(ms + eps) * weight`, with
+    `weight` the group's `(h, D)` rows. Computed in float32 and rounded once, as torch's `rms_norm` does.
+    Returns a new contiguous tensor of `part`'s dtype."""
+    scale = torch.rsqrt(mean_squares.float() + eps).unsqueeze(-1)
+    out = torch.mul(part, scale)   # float32 (type promotion), contiguous
+    if weight is not None:
+        out.mul_(weight)
+    return out.to(part.dtype)
 
 
-def module_rows_(t: torch.Tensor, module: Callable, heads: int) -> None:
-    """In place, by token chunks: `t` `(B, N, heads, D)` = `module(t.flatten(2))` for a per-token module
-    (a norm over the full width), run as the model runs it."""
-    rows_(t, lambda part, a, b: module(part.flatten(2)).unflatten(-1, (heads, -1)))
+def module_rows(part: torch.Tensor, module: Callable) -> torch.Tensor:
+    """One token chunk `(B, n, heads, D)` through a per-token module over the full width (the model's own
+    norm, run as the model runs it). Returns a new tensor of the same shape."""
+    return module(part.reshape(*part.shape[:2], -1)).unflatten(-1, part.shape[2:])
 
 
 def chunk_tokens(tokens: int, per_token_elements: int, budget_elements: int, minimum: int = 256) -> int:
@@ -185,9 +182,5 @@ def token_ranges(tokens: int, step: int):
         yield a, min(a + step, tokens)
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["ComfyLinearRows", "CastLinear", "not_row_sliceable", "norm_weight", "rms_norm_group_",
-           "module_rows_", "chunk_tokens", "token_ranges", "ceil_div", "math"]
+__all__ = ["ComfyLinearRows", "CastLinear", "not_row_sliceable", "norm_weight", "rms_norm_rows", "module_rows",
+           "chunk_tokens", "token_ranges"]

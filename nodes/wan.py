@@ -19,7 +19,7 @@ import comfy.model_management
 from comfy.ldm.flux.math import apply_rope1
 
 from ..qkv_core import cross_qkv_attention, qkv_attention, rows_
-from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows_, norm_weight, rms_norm_group_,
+from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows, norm_weight, rms_norm_rows,
                         token_ranges)
 from .dispatch import attend_group, attention_kwargs
 
@@ -128,42 +128,49 @@ def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
 # --- attention ------------------------------------------------------------------------------------------
 class _NormRope:
     """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE
-    (`apply_rope1`, as the model calls it) per token chunk, in place. Norm weights are cast once a call."""
+    (`apply_rope1`, as the model calls it), in place, in one pass of bounded token chunks per tensor. Norm
+    weights are cast once a call."""
 
     def __init__(self, module, freqs, key_norm: str = "norm_k"):
         self.norms = (module.norm_q, getattr(module, key_norm))
         self.freqs, self.head_dim = freqs, module.head_dim
         self._weights = [None, None]
 
-    def _norm_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
-        norm = self.norms[which]
-        if isinstance(norm, torch.nn.Identity):
-            return
-        if group.mean_squares is None:  # t holds every head: the model's own norm
-            module_rows_(t, norm, t.shape[2])
-            return
+    def _weight(self, which: int, t: torch.Tensor, head_range: range) -> Optional[torch.Tensor]:
         if self._weights[which] is None:
-            self._weights[which] = (norm_weight(norm, t),)
-        d = self.head_dim
-        rms_norm_group_(t, group.mean_squares[which], self._weights[which][0], norm.eps,
-                        range(head_range.start * d, head_range.stop * d))
+            self._weights[which] = (norm_weight(self.norms[which], t),)
+        weight, d = self._weights[which][0], self.head_dim
+        if weight is None:
+            return None
+        return weight[head_range.start * d:head_range.stop * d].view(len(head_range), d)
 
-    def _rope_(self, t: torch.Tensor) -> None:
-        freqs = self.freqs
+    def _apply_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
+        norm, freqs = self.norms[which], self.freqs
+        if isinstance(norm, torch.nn.Identity):
+            normalize = None
+        elif group.mean_squares is None:  # t holds every head: the model's own norm
+            def normalize(part, a, b):
+                return module_rows(part, norm)
+        else:
+            mean_squares, weight = group.mean_squares[which], self._weight(which, t, head_range)
 
-        def rotate(part, a, b):
-            return apply_rope1(part if part.is_contiguous() else part.contiguous(), freqs[:, a:b])
-        rows_(t, rotate)
+            def normalize(part, a, b):
+                return rms_norm_rows(part, mean_squares[:, a:b], weight, norm.eps)
+        if normalize is None and freqs is None:
+            return
+
+        def chunk(part, a, b):
+            out = part if normalize is None else normalize(part, a, b)
+            if freqs is not None:
+                out = apply_rope1(out if out.is_contiguous() else out.contiguous(), freqs[:, a:b])
+            return out
+        rows_(t, chunk)
 
     def __call__(self, query, key, group) -> None:
         if query is not None:
-            self._norm_(query, 0, group.q, group)
-            if self.freqs is not None:
-                self._rope_(query)
+            self._apply_(query, 0, group.q, group)
         if key is not None:
-            self._norm_(key, 1, group.kv, group)
-            if self.freqs is not None:
-                self._rope_(key)
+            self._apply_(key, 1, group.kv, group)
 
 
 def self_attention(module, x_list, freqs, config, transformer_options) -> torch.Tensor:

@@ -63,17 +63,27 @@ def _cuda_half(q) -> Optional[str]:
     return None
 
 
+def _import_problem(module: str) -> Optional[str]:
+    """None when `module` imports, else why not; asked once per process (a failing import is slow)."""
+    if module not in _IMPORT_PROBLEMS:
+        try:
+            importlib.import_module(module)
+            _IMPORT_PROBLEMS[module] = None
+        except Exception as e:  # ImportError, or a broken CUDA build raising anything
+            _IMPORT_PROBLEMS[module] = f"{module} is not importable ({type(e).__name__})"
+    return _IMPORT_PROBLEMS[module]
+
+
+_IMPORT_PROBLEMS: dict[str, Optional[str]] = {}
+
+
 class FlashBackend(AttentionBackend):
     """FlashAttention (`flash_attn.flash_attn_func`), unmasked, CUDA fp16/bf16, head dim <= 256."""
 
     name = "flash"
 
     def unavailable_reason(self):
-        try:
-            importlib.import_module("flash_attn")
-        except Exception as e:  # ImportError, or a broken CUDA build raising anything
-            return f"flash_attn is not importable ({type(e).__name__})"
-        return None
+        return _import_problem("flash_attn")
 
     def cannot_take(self, q, k, v, mask, softmax_scale):
         if mask is not None:
@@ -99,19 +109,19 @@ class SageBackend(AttentionBackend):
 
     name = "sage"
 
+    _major: Optional[int] = None
+
     def unavailable_reason(self):
-        try:
-            importlib.import_module("sageattention")
-        except Exception as e:
-            return f"sageattention is not importable ({type(e).__name__})"
-        return None
+        return _import_problem("sageattention")
 
     def major_version(self) -> int:
-        version = _sage_version() or "0"
-        try:
-            return int(version.split(".")[0])
-        except ValueError:
-            return 0
+        if self._major is None:
+            version = _sage_version() or "0"
+            try:
+                self._major = int(version.split(".")[0])
+            except ValueError:
+                self._major = 0
+        return self._major
 
     def cannot_take(self, q, k, v, mask, softmax_scale):
         if mask is not None:

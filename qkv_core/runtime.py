@@ -122,11 +122,9 @@ def _join(parts_fn, sources, total_tokens: int, heads: int, head_dim: int, prefi
 
 
 def _sum_squares(t: torch.Tensor, acc: torch.Tensor) -> None:
-    """acc (B, N) float32 += sum over the last two dims of t**2, in float32 by bounded chunks."""
-    def add(part, a, b):
-        acc[:, a:b] += part.float().square().sum(dim=(-2, -1))
-        return part
-    rows_(t, add)
+    """acc (B, N) float32 += sum over the last two dims of t**2, accumulated in float32 by one reduction
+    (no float32 copy of t)."""
+    acc += torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_()
 
 
 class _Call:
