@@ -152,17 +152,15 @@ def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
     return comfy.model_management.cast_to(weight, dtype=x.dtype, device=x.device)
 
 
-def rms_norm_rows(part: torch.Tensor, mean_squares: torch.Tensor, weight: Optional[torch.Tensor],
-                  eps: float) -> torch.Tensor:
-    """One token chunk `(B, n, h, D)` of one head group of a tensor whose RMSNorm spans all heads, from the
-    per-token mean of squares over all heads (float32 `(B, n, 1)`): `part * rsqrt(ms + eps) * weight`, with
-    `weight` the group's `(h, D)` rows. Computed in float32 and rounded once, as torch's `rms_norm` does.
-    Returns a new contiguous tensor of `part`'s dtype."""
-    scale = torch.rsqrt(mean_squares.float() + eps).unsqueeze(-1)
-    out = torch.mul(part, scale)   # float32 (type promotion), contiguous
+def rms_norm_rows(part: torch.Tensor, inverse_rms: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """One token chunk `(B, n, h, D)` of one head group of a tensor whose RMSNorm spans all heads:
+    `part * inverse_rms * weight`, with `inverse_rms` = rsqrt(mean of squares over all heads + eps), float32
+    `(B, n, 1, 1)`, and `weight` the group's `(h, D)` rows. Returns a new float32 tensor (the caller rounds
+    once, as torch's `rms_norm` computes in float32 and rounds once)."""
+    out = torch.mul(part, inverse_rms)   # float32 by type promotion, contiguous
     if weight is not None:
         out.mul_(weight)
-    return out.to(part.dtype)
+    return out
 
 
 def module_rows(part: torch.Tensor, module: Callable) -> torch.Tensor:

@@ -16,7 +16,6 @@ import torch
 
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
-from comfy.ldm.flux.math import apply_rope1
 
 from ..qkv_core import cross_qkv_attention, qkv_attention, rows_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows, norm_weight, rms_norm_rows,
@@ -126,15 +125,27 @@ def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
 
 
 # --- attention ------------------------------------------------------------------------------------------
+def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Wan's RoPE (`apply_rope1`'s math: adjacent pairs rotated by `freqs` `(1, n, 1, D/2, 2, 2)`, in float32)
+    on a chunk `(B, n, h, D)`; returns float32. A few fused PyTorch ops: one call per chunk costs far less
+    host time than ComfyUI's kernel dispatch, and a head group is rotated in several chunks."""
+    pairs = t.unflatten(-1, (-1, 1, 2))
+    out = freqs[..., 0] * pairs[..., 0]          # float32 by type promotion
+    out.addcmul_(freqs[..., 1], pairs[..., 1])
+    return out.flatten(-2)
+
+
 class _NormRope:
-    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE
-    (`apply_rope1`, as the model calls it), in place, in one pass of bounded token chunks per tensor. Norm
-    weights are cast once a call."""
+    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE, in place,
+    in one pass of bounded token chunks per tensor. With a split, each group is normalized from the
+    per-token statistics of all heads (their inverse RMS computed once a call, like the norm weights) and
+    rotated in float32 before the one rounding; unsplit, the model's own norm runs and its output is rotated."""
 
     def __init__(self, module, freqs, key_norm: str = "norm_k"):
         self.norms = (module.norm_q, getattr(module, key_norm))
         self.freqs, self.head_dim = freqs, module.head_dim
         self._weights = [None, None]
+        self._inverse_rms = [None, None]   # (mean_squares it was made from, rsqrt(ms + eps) (B, N, 1, 1))
 
     def _weight(self, which: int, t: torch.Tensor, head_range: range) -> Optional[torch.Tensor]:
         if self._weights[which] is None:
@@ -144,6 +155,13 @@ class _NormRope:
             return None
         return weight[head_range.start * d:head_range.stop * d].view(len(head_range), d)
 
+    def _inverse(self, which: int, mean_squares: torch.Tensor) -> torch.Tensor:
+        cached = self._inverse_rms[which]
+        if cached is None or cached[0] is not mean_squares:
+            inverse = torch.rsqrt(mean_squares.float() + self.norms[which].eps).unsqueeze(-1)
+            self._inverse_rms[which] = cached = (mean_squares, inverse)
+        return cached[1]
+
     def _apply_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
         norm, freqs = self.norms[which], self.freqs
         if isinstance(norm, torch.nn.Identity):
@@ -152,18 +170,16 @@ class _NormRope:
             def normalize(part, a, b):
                 return module_rows(part, norm)
         else:
-            mean_squares, weight = group.mean_squares[which], self._weight(which, t, head_range)
+            inverse, weight = self._inverse(which, group.mean_squares[which]), self._weight(which, t, head_range)
 
             def normalize(part, a, b):
-                return rms_norm_rows(part, mean_squares[:, a:b], weight, norm.eps)
+                return rms_norm_rows(part, inverse[:, a:b], weight)
         if normalize is None and freqs is None:
             return
 
         def chunk(part, a, b):
             out = part if normalize is None else normalize(part, a, b)
-            if freqs is not None:
-                out = apply_rope1(out if out.is_contiguous() else out.contiguous(), freqs[:, a:b])
-            return out
+            return out if freqs is None else rope_rows(out, freqs[:, a:b])
         rows_(t, chunk)
 
     def __call__(self, query, key, group) -> None:
