@@ -17,7 +17,7 @@ import torch
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
-from ..qkv_core import cross_qkv_attention, qkv_attention, rows_
+from ..qkv_core import cross_qkv_attention, kernels, qkv_attention, rows_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows, norm_weight, rms_norm_rows,
                         token_ranges)
 from .dispatch import attend_group, attention_kwargs
@@ -136,10 +136,11 @@ def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class _NormRope:
-    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE, in place,
-    in one pass of bounded token chunks per tensor. With a split, each group is normalized from the
-    per-token statistics of all heads (their inverse RMS computed once a call, like the norm weights) and
-    rotated in float32 before the one rounding; unsplit, the model's own norm runs and its output is rotated."""
+    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE, in place.
+    With a split, each group is normalized from the per-token statistics of all heads (their inverse RMS
+    computed once a call, like the norm weights); unsplit, the model's own norm runs. The norm's output is
+    rounded once, then rotated in float32 (as the model's `apply_rope1` does): one fused Triton pass on CUDA,
+    else bounded token chunks of PyTorch ops."""
 
     def __init__(self, module, freqs, key_norm: str = "norm_k"):
         self.norms = (module.norm_q, getattr(module, key_norm))
@@ -164,17 +165,21 @@ class _NormRope:
 
     def _apply_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
         norm, freqs = self.norms[which], self.freqs
+        normalize = None
         if isinstance(norm, torch.nn.Identity):
-            normalize = None
-        elif group.mean_squares is None:  # t holds every head: the model's own norm
-            def normalize(part, a, b):
-                return module_rows(part, norm)
-        else:
+            pass
+        elif group.mean_squares is not None:  # one group of heads: from the statistics of all heads
             inverse, weight = self._inverse(which, group.mean_squares[which]), self._weight(which, t, head_range)
+            if kernels.norm_rope_(t, inverse, weight, freqs):   # one fused pass (CUDA + Triton)
+                return
 
-            def normalize(part, a, b):
-                return rms_norm_rows(part, inverse[:, a:b], weight)
-        if normalize is None and freqs is None:
+            def normalize(part, a, b):  # rounded once before the rotation, as the model does
+                return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
+        else:  # t holds every head: the model's own norm
+            rows_(t, lambda part, a, b: module_rows(part, norm))
+        if freqs is None and normalize is None:
+            return
+        if normalize is None and kernels.norm_rope_(t, None, None, freqs):
             return
 
         def chunk(part, a, b):

@@ -61,3 +61,20 @@ def test_missing_kernels_fall_back_to_sdpa(layer):
     ref = qc.pay_attention(q, q, q, force_attention="sdpa")
     assert out.shape == ref.shape
     assert float((out.float() - ref.float()).abs().max()) <= 2e-2
+
+
+def test_norm_rope_kernel_on_cuda():
+    from qkv_core import kernels
+    if kernels.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    storage = torch.randn(2, 1000, 6, 128, device="cuda", generator=g).to(torch.bfloat16)
+    view = storage[:, :, 2:4]
+    inv = torch.rand(2, 1000, 1, 1, device="cuda", generator=g) + 0.5
+    weight = (torch.randn(2, 128, device="cuda", generator=g) * 0.2 + 1).to(torch.bfloat16)
+    freqs = torch.randn(1, 1000, 1, 64, 2, 2, device="cuda", generator=g)
+    want = kernels.norm_rope_reference(view, inv, weight, freqs)
+    assert kernels.norm_rope_(view, inv, weight, freqs)
+    diff = (view.float() - want.float()).abs()
+    assert float(diff.max()) <= 2 ** -7 * float(want.float().abs().max())   # bf16 round-off (FMA order)
+    assert float((diff > 0).float().mean()) < 0.01
