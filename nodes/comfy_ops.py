@@ -8,12 +8,11 @@
 - `CastLinear`: the same cast, held for a whole layer call, applied to token chunks (FFN, output projection).
 - `rms_norm_rows` / `module_rows`: an RMSNorm over all heads on a chunk of one head group (from precomputed
   mean squares), or the model's own norm on a chunk holding every head.
-- `chunk_tokens` / `for_token_chunks`: bounded token chunks.
+- `chunk_tokens` / `token_ranges`: bounded token chunks.
 """
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, Optional
 
 import torch
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 import comfy.model_management
 import comfy.ops
 
-from ..qkv_core import PreparedProjection, RowProjection, WeightRows, rows_
+from ..qkv_core import PreparedProjection, RowProjection, WeightRows, WholeProjection
 
 _CAST_OFFLOADABLE = "offloadable" in inspect.signature(comfy.ops.cast_bias_weight).parameters
 _UNCAST = getattr(comfy.ops, "uncast_bias_weight", None)
@@ -117,25 +116,9 @@ class ComfyLinearRows(RowProjection):
 
     def prepare(self, x: torch.Tensor) -> PreparedProjection:
         if self._reason is not None:
-            return _ModuleWhole(self.linear, x)
+            return WholeProjection(self.linear, self._reason).prepare(x)  # the layer's own numerics
         cast = CastLinear(self.linear, x)
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
-
-
-class _ModuleWhole(PreparedProjection):
-    """Runs the layer itself (its own numerics) on the whole input."""
-
-    def __init__(self, module, x):
-        self.module, self.x = module, x
-
-    def full(self) -> torch.Tensor:
-        return self.module(self.x)
-
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        return self.module(self.x)[..., start:stop].contiguous()
-
-    def release(self) -> None:
-        self.x = None
 
 
 def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,7 +1,6 @@
 """The patch node: MODEL -> MODEL with head split, attention backend and block-level bounds."""
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple
 
 import torch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -23,3 +23,14 @@ class _RootAsPlainDirectory:
 def pytest_configure(config):
     if not config.pluginmanager.has_plugin("qkv-root-as-plain-directory"):
         config.pluginmanager.register(_RootAsPlainDirectory(), "qkv-root-as-plain-directory")
+
+
+@pytest.fixture(autouse=True)
+def _qkv_core_defaults():
+    """Every test starts and ends with qkv_core's global choices at their defaults and no notices."""
+    import qkv_core as qc
+    qc.reset_notices()
+    yield
+    qc.set_head_split_level(3)
+    qc.set_attention_backend("auto")
+    qc.reset_notices()

@@ -197,6 +197,17 @@ class SpanningNormRope:
         return out[0], out[1]
 
 
+class WanNorm(SpanningNormRope):
+    """`SpanningNormRope` without recording the groups (a model keeps nothing: for memory tests)."""
+
+    def __call__(self, query, key, group):
+        ms = group.mean_squares
+        if query is not None:
+            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0])
+        if key is not None:
+            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1])
+
+
 class PerHeadNormRope:
     """RMSNorm over each head's `head_dim` (Flux/Qwen style) with a `(head_dim,)` weight, then RoPE."""
 

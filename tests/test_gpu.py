@@ -7,7 +7,7 @@ import torch
 
 import qkv_core as qc
 from qkv_core.memory import measure_peak
-from reference import RopeTable, SpanningNormRope, make_qkv, randn
+from reference import RopeTable, WanNorm, make_qkv, randn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]
@@ -15,15 +15,6 @@ pytestmark = [pytest.mark.gpu,
 H, D, N = 40, 128, 32760
 WIDTH = H * D
 ACT = N * WIDTH * 2
-
-
-class WanNorm(SpanningNormRope):
-    def __call__(self, query, key, group):
-        ms = group.mean_squares
-        if query is not None:
-            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0])
-        if key is not None:
-            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1])
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,10 @@ import pytest
 import torch
 
 import qkv_core as qc
-from reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_linear, make_qkv, max_rel_err, randn
+from reference import PerHeadNormRope, SpanningNormRope, make_qkv, max_rel_err, randn
 
 H, D, FEAT = 8, 32, 64
 
-
-@pytest.fixture(autouse=True)
-def _defaults():
-    qc.reset_notices()
-    yield
-    qc.set_head_split_level(3)
-    qc.set_attention_backend("auto")
-    qc.reset_notices()
 
 
 class Watch:

@@ -17,22 +17,11 @@ import torch
 
 import qkv_core as qc
 from qkv_core.memory import PeakMemory, check_cpu_tracker
-from reference import RopeTable, SpanningNormRope, make_qkv, randn
+from reference import RopeTable, WanNorm, make_qkv, randn
 
 H, D, N = 8, 128, 16384
 WIDTH = H * D
 ACT = N * WIDTH * 2  # one bf16 activation (tokens x heads*head_dim)
-
-
-class WanNorm(SpanningNormRope):
-    """The spanning RMSNorm + RoPE of reference.py, without recording groups (a model keeps nothing)."""
-
-    def __call__(self, query, key, group):
-        ms = group.mean_squares
-        if query is not None:
-            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0])
-        if key is not None:
-            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1])
 
 
 @pytest.fixture(scope="module")

@@ -25,14 +25,6 @@ TOL_SPLIT_BF16 = 1e-2  # observed ~3e-3
 TOL_REF_BF16 = 2e-2    # observed ~6e-3
 
 
-@pytest.fixture(autouse=True)
-def _defaults():
-    qc.reset_notices()
-    yield
-    qc.set_head_split_level(3)
-    qc.set_attention_backend("auto")
-    qc.reset_notices()
-
 
 class Recorder:
     """A norm_rope that records each call's group and then runs `inner` (or nothing)."""

@@ -282,3 +282,21 @@ def test_memory_estimate_is_lowered_for_the_run(env):
         assert seen[-1][1] == pytest.approx(stock_required * factor)
         assert base.model.memory_usage_factor == stock_factor
     assert env.node.MEMORY_FACTOR_BLOCK < env.node.MEMORY_FACTOR_ATTENTION < 1
+
+
+def test_memory_estimate_is_restored_after_a_cancel(env):
+    """An interrupted run (ComfyUI raises InterruptProcessingException from inside the model) leaves the
+    model's estimate as it was."""
+    import comfy.model_management
+    import comfy.patcher_extension
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    stock_factor = base.model.memory_usage_factor
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
+
+    def cancel(executor, *args, **kwargs):
+        raise comfy.model_management.InterruptProcessingException()
+
+    patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.PREDICT_NOISE, "zz_cancel", cancel)
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
+    assert base.model.memory_usage_factor == stock_factor
