@@ -26,38 +26,40 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, f_ptr, tokens,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, f_ptr, tokens, heads,
                           stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft,
-                          HALF: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
+                          DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_F: tl.constexpr):
-        block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
+        # are read once and serve all its heads; each head's channels are one contiguous row
+        block, batch = tl.program_id(0), tl.program_id(1)
         t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        i = tl.arange(0, HALF)
+        c = tl.arange(0, DIM)
         rows = t < tokens
         mask = rows[:, None]
-        even = x_ptr + batch * stride_xb + t[:, None] * stride_xt + head * stride_xh + 2 * i[None, :]
-        xe = tl.load(even, mask=mask, other=0.0)
-        xo = tl.load(even + 1, mask=mask, other=0.0)
-        out_dtype = xe.dtype
-        xe, xo = xe.to(tl.float32), xo.to(tl.float32)
+        if HAS_F:
+            # table[t, i, r, col] sits at 4 i + 2 r + col = 2 d + col for output channel d = 2 i + r
+            table = f_ptr + batch * stride_fb + t[:, None] * stride_ft + 2 * c[None, :]
+            f_even = tl.load(table, mask=mask, other=0.0)        # factor of x[2 i]
+            f_odd = tl.load(table + 1, mask=mask, other=0.0)     # factor of x[2 i + 1]
         if HAS_INV:
             inv = tl.load(inv_ptr + batch * stride_ib + t * stride_it, mask=rows, other=0.0).to(tl.float32)
-            xe, xo = xe * inv[:, None], xo * inv[:, None]
-        if HAS_W:
-            weights = w_ptr + head * 2 * HALF + 2 * i
-            xe = xe * tl.load(weights).to(tl.float32)[None, :]
-            xo = xo * tl.load(weights + 1).to(tl.float32)[None, :]
-        if HAS_INV or HAS_W:  # the norm's output is rounded before the rotation, as the model does
-            xe, xo = xe.to(out_dtype).to(tl.float32), xo.to(out_dtype).to(tl.float32)
-        if HAS_F:
-            table = f_ptr + batch * stride_fb + t[:, None] * stride_ft + 4 * i[None, :]
-            f00 = tl.load(table, mask=mask, other=0.0)
-            f01 = tl.load(table + 1, mask=mask, other=0.0)
-            f10 = tl.load(table + 2, mask=mask, other=0.0)
-            f11 = tl.load(table + 3, mask=mask, other=0.0)
-            xe, xo = f00 * xe + f01 * xo, f10 * xe + f11 * xo
-        tl.store(even, xe.to(out_dtype), mask=mask)
-        tl.store(even + 1, xo.to(out_dtype), mask=mask)
+        for head in range(0, heads):
+            ptrs = x_ptr + batch * stride_xb + t[:, None] * stride_xt + head * stride_xh + c[None, :]
+            raw = tl.load(ptrs, mask=mask, other=0.0)
+            x = raw.to(tl.float32)
+            if HAS_INV:
+                x = x * inv[:, None]
+            if HAS_W:
+                x = x * tl.load(w_ptr + head * DIM + c).to(tl.float32)[None, :]
+            if HAS_INV or HAS_W:  # the norm's output is rounded before the rotation, as the model does
+                x = x.to(raw.dtype).to(tl.float32)
+            if HAS_F:
+                even, odd = tl.split(tl.reshape(x, (BLOCK_T, DIM // 2, 2)))
+                even = tl.reshape(tl.join(even, even), (BLOCK_T, DIM))   # x[2 i] under channels 2 i, 2 i + 1
+                odd = tl.reshape(tl.join(odd, odd), (BLOCK_T, DIM))
+                x = f_even * even + f_odd * odd
+            tl.store(ptrs, x.to(raw.dtype), mask=mask)
 
 
 def can_run(t: torch.Tensor) -> bool:
@@ -76,36 +78,34 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
         return False
     batch, tokens, heads, dim = t.shape
     half = dim // 2
-    if half & (half - 1):  # tl.arange needs a power of two
+    if dim & (dim - 1) or dim < 16:  # tl.arange needs a power of two
         return False
-    dummy = t
-    inv = dummy
+    inv = t
     if inverse_rms is not None:
         inv = inverse_rms.reshape(inverse_rms.shape[0], inverse_rms.shape[1])
         if inv.shape[1] != tokens or inv.device != t.device:
             return False
-    w = dummy
+    w = t
     if weight is not None:
         w = weight.reshape(-1)
         if w.numel() != heads * dim or not w.is_contiguous() or w.device != t.device:
             return False
-    f = dummy
+    f = t
     if freqs is not None:
         f = freqs
-        if f.dim() != 6 or f.shape[1] != tokens or f.shape[-3:] != (half, 2, 2) or f.device != t.device:
+        if f.dim() != 6 or f.shape[1] != tokens or f.shape[-3:] != (half, 2, 2) or f.device != t.device \
+                or f.dtype != torch.float32:
             return False
         if f.stride()[-3:] != (4, 2, 1):
             f = f.contiguous()
-        if f.dtype != torch.float32:
-            return False
-    block_t = 16 if half <= 64 else 8
-    grid = (triton.cdiv(tokens, block_t), heads, batch)
+    block_t = max(1, 2048 // dim)
+    grid = (triton.cdiv(tokens, block_t), batch)
     _norm_rope_kernel[grid](
-        t, inv, w, f, tokens,
+        t, inv, w, f, tokens, heads,
         t.stride(0), t.stride(1), t.stride(2),
         inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
         f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
-        HALF=half, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
+        DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
         HAS_F=freqs is not None)
     return True
 
