@@ -127,14 +127,6 @@ def _sum_squares(t: torch.Tensor, acc: torch.Tensor) -> None:
     acc += torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_()
 
 
-def _head_passes(heads: int, group_heads: int) -> list[range]:
-    """Consecutive head ranges of at least `group_heads` and at least an eighth of `heads` (a pass that only
-    projects, for statistics or into the output buffer, may take a few groups at once: its transient stays
-    about an eighth of one activation)."""
-    step = max(group_heads, -(-heads // 8))
-    return [range(a, min(a + step, heads)) for a in range(0, heads, step)]
-
-
 class _Call:
     """State of one call, from the hand-off to the return."""
 
@@ -268,8 +260,8 @@ class _Call:
             if which == "q" and q_out is not None:
                 self._project_q_into(q_out, groups, acc)
             else:
-                for heads in _head_passes(total_heads, len(getattr(groups[0], attr))):
-                    part = project(which, heads).unflatten(-1, (-1, d))
+                for group in groups:
+                    part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
                     _sum_squares(part, acc)
                     del part
             stats.append(acc.div_(total_heads * d).unsqueeze(-1))
@@ -343,15 +335,13 @@ class _Call:
                 source.release()
 
     def _project_q_into(self, out: torch.Tensor, groups, sum_squares: Optional[torch.Tensor] = None) -> None:
-        """q of every head into `out` (`sum_squares` (B, Nq) float32 += their squares), by passes of at least
-        an eighth of the heads (one matrix product of few output rows runs less efficiently); the q
-        projections are released after the last pass."""
-        passes = _head_passes(self.heads, len(groups[0].q))
-        for index, heads in enumerate(passes):
-            q = self._project("q", heads, last=index == len(passes) - 1)
+        """q of every group into its heads of `out` (`sum_squares` (B, Nq) float32 += their squares); the q
+        projections are released after the last group."""
+        for index, group in enumerate(groups):
+            q = self._project("q", group.q, last=index == len(groups) - 1)
             if sum_squares is not None:
                 _sum_squares(q, sum_squares)
-            out[:, :, heads.start:heads.stop] = q
+            out[:, :, group.q.start:group.q.stop] = q
             del q
 
     def _project_v(self, group: HeadGroup, last: bool, shared_kv: bool, k_later: bool):
