@@ -110,13 +110,26 @@ class ComfyLinearRows(RowProjection):
         self.linear = linear
         self.out_features = getattr(linear, "out_features", None)
         self._reason = not_row_sliceable(linear)
+        self._held: Optional[CastLinear] = None
 
     def not_row_sliceable(self) -> Optional[str]:
         return self._reason
 
+    def hold(self, like: torch.Tensor) -> None:
+        """Cast the weight once for several layer calls (token chunks of one call) until `release_hold()`."""
+        if self._reason is None and self._held is None:
+            self._held = CastLinear(self.linear, like)
+
+    def release_hold(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            held.release()
+
     def prepare(self, x: torch.Tensor) -> PreparedProjection:
         if self._reason is not None:
             return WholeProjection(self.linear, self._reason).prepare(x)  # the layer's own numerics
+        if self._held is not None:
+            return WeightRows(x, self._held.weight, self._held.bias)
         cast = CastLinear(self.linear, x)
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
 

@@ -202,47 +202,66 @@ def self_attention(module, x_list, freqs, config, transformer_options) -> torch.
                          head_split_level=config.level, **attention_kwargs(config, transformer_options))
 
 
-def cross_attention(module, x_list, context, context_img_len, config, transformer_options,
-                    split_heads: bool = True) -> torch.Tensor:
-    """Wan cross-attention (text; plus CLIP image tokens for i2v) of `[x]` (list cleared), without `o`.
-    `split_heads=False` for token chunks, which are small already."""
-    kwargs = choice = attention_kwargs(config, transformer_options)
-    if hasattr(module, "k_img"):
-        context_img = context[:, :context_img_len]
-        context = context[:, context_img_len:]
-        heads, d = module.num_heads, module.head_dim
-        # 257 image tokens: projected whole with the model's own layers, sliced per head group
-        k_img = module.norm_k_img(module.k_img(context_img)).unflatten(-1, (heads, d))
-        v_img = module.v_img(context_img).unflatten(-1, (heads, d))
-        del context_img
+class CrossAttention:
+    """Wan cross-attention (text; plus CLIP image tokens for i2v) for one layer call, over `x` whole or by
+    token chunks: the weights are cast once, the image keys/values projected once, whatever the chunks.
+    `release()` when done (hands back offloaded weights)."""
 
-        def text_plus_image(qkv, group):
-            q, k, v = qkv
-            qkv.clear()
-            text = attend_group(q, k, v, choice, group)
-            del k, v
-            image = attend_group(q, k_img[:, :, group.kv.start:group.kv.stop],
-                                 v_img[:, :, group.kv.start:group.kv.stop], choice, group)
-            return text.add_(image)  # x = x + img_x, as the model sums them
-        kwargs = {"attention_fn": text_plus_image}
-    return cross_qkv_attention(x_list, [context], ComfyLinearRows(module.q), ComfyLinearRows(module.k),
-                               ComfyLinearRows(module.v), module.num_heads, module.head_dim,
-                               _NormRope(module, None), norm_spans_heads=not isinstance(module.norm_q,
-                                                                                        torch.nn.Identity),
-                               head_split_level=config.level, split_heads=split_heads, **kwargs)
+    def __init__(self, module, context, context_img_len, config, transformer_options, like: torch.Tensor):
+        self.module, self.level = module, config.level
+        self.rows = [ComfyLinearRows(getattr(module, name)) for name in ("q", "k", "v")]
+        for rows in self.rows:
+            rows.hold(like)
+        self.out = CastLinear(module.o, like)
+        self.norm_rope = _NormRope(module, None)
+        self.kwargs = choice = attention_kwargs(config, transformer_options)
+        if hasattr(module, "k_img"):
+            context_img, context = context[:, :context_img_len], context[:, context_img_len:]
+            heads, d = module.num_heads, module.head_dim
+            # 257 image tokens: projected whole with the model's own layers, sliced per head group
+            k_img = module.norm_k_img(module.k_img(context_img)).unflatten(-1, (heads, d))
+            v_img = module.v_img(context_img).unflatten(-1, (heads, d))
+            del context_img
+
+            def text_plus_image(qkv, group):
+                q, k, v = qkv
+                qkv.clear()
+                text = attend_group(q, k, v, choice, group)
+                del k, v
+                image = attend_group(q, k_img[:, :, group.kv.start:group.kv.stop],
+                                     v_img[:, :, group.kv.start:group.kv.stop], choice, group)
+                return text.add_(image)  # x = x + img_x, as the model sums them
+            self.kwargs = {"attention_fn": text_plus_image}
+        self.context = context
+
+    def __call__(self, x_list, split_heads: bool = True) -> torch.Tensor:
+        """Attention of `[x]` (list cleared) without `o`: `(B, N, heads, head_dim)`. `split_heads=False` for
+        token chunks, which are small already."""
+        module = self.module
+        return cross_qkv_attention(x_list, [self.context], *self.rows, module.num_heads, module.head_dim,
+                                   self.norm_rope, norm_spans_heads=not isinstance(module.norm_q, torch.nn.Identity),
+                                   head_split_level=self.level, split_heads=split_heads, **self.kwargs)
+
+    def release(self) -> None:
+        for rows in self.rows:
+            rows.release_hold()
+        self.out.release()
 
 
-def output_projection_(linear, attention: torch.Tensor) -> torch.Tensor:
+def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None) -> torch.Tensor:
     """`linear(attention)` computed by token chunks into the attention's own storage: `(B, N, C)`.
-    Each output token depends only on the same input token, so writing back in place is exact."""
+    Each output token depends only on the same input token, so writing back in place is exact. `cast`: the
+    weight already cast (kept), else cast here once."""
     flat = attention.flatten(2)
-    cast = CastLinear(linear, flat)
+    own = cast is None
+    cast = CastLinear(linear, flat) if own else cast
     try:
         step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() // 8))
         for a, b in token_ranges(flat.shape[1], step):
             flat[:, a:b] = cast(flat[:, a:b])
     finally:
-        cast.release()
+        if own:
+            cast.release()
     return flat
 
 
@@ -254,8 +273,11 @@ def patched_self_attention_forward(module, config):
 
 def patched_cross_attention_forward(module, config):
     def forward(x, context, context_img_len=None, transformer_options={}, **kwargs):
-        out = cross_attention(module, [x], context, context_img_len, config, transformer_options)
-        return output_projection_(module.o, out)
+        cross = CrossAttention(module, context, context_img_len, config, transformer_options, like=x)
+        try:
+            return output_projection_(module.o, cross([x]), cast=cross.out)
+        finally:
+            cross.release()
     return forward
 
 
@@ -322,13 +344,15 @@ def run_bounded_block(block, x, e, freqs, context, context_img_len, config, tran
         torch.addcmul(x[:, a:b], y[:, a:b], mod(2, a, b), out=residual[:, a:b])
     del y
 
-    # cross-attention by token chunks (queries are independent; the context is short)
-    cross = block.cross_attn
-    for a, b in token_ranges(tokens, step):
-        part = cross_attention(cross, [block.norm3(residual[:, a:b])], context, context_img_len, config,
-                               transformer_options, split_heads=False)
-        residual[:, a:b] += output_projection_(cross.o, part)
-        del part
+    # cross-attention by token chunks (queries are independent; the context is short), weights cast once
+    cross = CrossAttention(block.cross_attn, context, context_img_len, config, transformer_options, like=x)
+    try:
+        for a, b in token_ranges(tokens, step):
+            part = cross([block.norm3(residual[:, a:b])], split_heads=False)
+            residual[:, a:b] += output_projection_(None, part, cast=cross.out)
+            del part
+    finally:
+        cross.release()
 
     # feed-forward by token chunks, weights cast once
     up, down = CastLinear(block.ffn[0], x), CastLinear(block.ffn[2], x)
