@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -29,18 +28,12 @@ import comfy.ops
 from comfy.ldm.flux.layers import EmbedND
 
 from . import comfy_ops, wan
+from .dispatch import QKVConfig
 from ..qkv_core import LEVEL_NAMES, group_count
 from ..qkv_core.memory import GiB, measure_peak
 
 WIDTH, HEADS, HEAD_DIM, FFN, TEXT_TOKENS, EPS = 5120, 40, 128, 13824, 512, 1e-6
 CHUNK_MIN_TOKENS = 256   # comfy_ops.chunk_tokens' `minimum`: an absolute token count, scaled on scaled runs
-
-
-class BenchConfig(NamedTuple):
-    """Same fields as `patch_node.QKVConfig` (not imported: patch_node imports comfy_api)."""
-    level: int
-    backend: str
-    block: bool
 
 
 def comfyui_version() -> str:
@@ -204,7 +197,7 @@ def make_workload(bench):
 
             methods = [bench.Method(f"stock (ComfyUI v{self.version})", stock, 1)]
             for level in args.levels:
-                config = BenchConfig(level, args.qkv_backend, True)
+                config = QKVConfig(level, args.qkv_backend, True)
                 level_name = LEVEL_NAMES[level].capitalize()
                 groups = group_count(HEADS, case.tokens, level)
 

@@ -6,11 +6,21 @@ when another node has set an `optimized_attention_override`, so that override is
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import backend_names, pay_attention
 
 AUTO, COMFY = "auto", "comfy"
+
+
+class QKVConfig(NamedTuple):
+    """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
+    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block."""
+    level: int
+    backend: str
+    block: bool
 
 
 def backend_choices() -> list[str]:

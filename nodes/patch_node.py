@@ -1,8 +1,6 @@
 """The patch node: MODEL -> MODEL with head split, attention backend and block-level bounds."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 import comfy.patcher_extension
@@ -10,7 +8,7 @@ from comfy_api.latest import io
 
 from ..qkv_core import LEVEL_NAMES, drain_notices
 from . import wan
-from .dispatch import AUTO, backend_choices
+from .dispatch import AUTO, QKVConfig, backend_choices
 from .report import PatchReport, logger
 
 ADAPTERS = (wan,)
@@ -22,13 +20,6 @@ WRAPPER_KEY = "comfyui_qkv"
 # the bounded block peaks at 0.34x stock (0.5 kept), attention alone leaves the FFN's peak (0.73x; 0.85).
 MEMORY_FACTOR_BLOCK = 0.5
 MEMORY_FACTOR_ATTENTION = 0.85
-
-
-class QKVConfig(NamedTuple):
-    """What the node asked for (small and deep-copy safe: it lives in patched closures)."""
-    level: int
-    backend: str
-    block: bool
 
 
 def memory_factor(config: QKVConfig) -> float:
@@ -44,7 +35,7 @@ def find_adapter(diffusion_model):
     return None
 
 
-def make_run_wrapper(factor: float, report: PatchReport):
+def make_run_wrapper(factor: float):
     """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
     is scaled by `factor` (its memory planning happens inside the run, before the weights are loaded), and
     the run's fallback notices and peak VRAM are reported at its end (also after an error or a cancel)."""
@@ -88,7 +79,7 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool):
         adapter.patch(patched, config, report)
         if report.any_patched:
             patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
-                                         make_run_wrapper(memory_factor(config), report))
+                                         make_run_wrapper(memory_factor(config)))
     report.log()
     return patched, report
 

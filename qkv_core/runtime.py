@@ -100,25 +100,21 @@ class _Source:
         self.x = None
 
 
-def _join(parts_fn, sources, total_tokens: int, heads: int, head_dim: int, prefix_tokens: int = 0,
-          write_prefix=None) -> torch.Tensor:
-    """Projections of several streams (and an optional prefix) joined along tokens: `(B, N, heads, D)`.
-    A single stream without prefix is returned as projected (no copy)."""
-    if len(sources) == 1 and not prefix_tokens:
+def _join(parts_fn, sources, total_tokens: int, heads: int, head_dim: int) -> torch.Tensor:
+    """Projections of several streams joined along tokens: `(B, N, heads, D)`. A single stream is returned
+    as projected (no copy). (A prefix is joined later, after the norms: `_Call._join_k_prefix`.)"""
+    if len(sources) == 1:
         return parts_fn(sources[0]).unflatten(-1, (heads, head_dim))
-    first = None
-    a = prefix_tokens
+    joined, a = None, 0
     for source in sources:
         part = parts_fn(source).unflatten(-1, (heads, head_dim))
-        if first is None:
-            first = torch.empty((part.shape[0], prefix_tokens + total_tokens, heads, head_dim), dtype=part.dtype,
-                                device=part.device)
-            if write_prefix is not None:
-                write_prefix(first[:, :prefix_tokens])
-        first[:, a:a + part.shape[1]] = part
+        if joined is None:
+            joined = torch.empty((part.shape[0], total_tokens, heads, head_dim), dtype=part.dtype,
+                                 device=part.device)
+        joined[:, a:a + part.shape[1]] = part
         a += part.shape[1]
         del part
-    return first
+    return joined
 
 
 def _sum_squares(t: torch.Tensor, acc: torch.Tensor) -> None:
