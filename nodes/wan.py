@@ -17,9 +17,9 @@ import torch
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
-from ..qkv_core import cross_qkv_attention, kernels, qkv_attention, rows_
-from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, module_rows, norm_weight, rms_norm_rows,
-                        token_ranges)
+from ..qkv_core import SPLIT_FLOOR_TOKENS, WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
+from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, module_rows, norm_weight,
+                        rms_norm_rows, token_ranges)
 from .dispatch import attend_group, attention_kwargs
 
 FAMILY = "Wan"
@@ -204,14 +204,13 @@ def self_attention(module, x_list, freqs, config, transformer_options) -> torch.
 
 class CrossAttention:
     """Wan cross-attention (text; plus CLIP image tokens for i2v) for one layer call, over `x` whole or by
-    token chunks: the weights are cast once, the image keys/values projected once, whatever the chunks.
-    `release()` when done (hands back offloaded weights)."""
+    token chunks: the weights are cast once, the context's keys/values (text, and CLIP image tokens)
+    projected once, whatever the chunks. `release()` when done (hands back offloaded weights)."""
 
     def __init__(self, module, context, context_img_len, config, transformer_options, like: torch.Tensor):
         self.module, self.level = module, config.level
-        self.rows = [ComfyLinearRows(getattr(module, name)) for name in ("q", "k", "v")]
-        for rows in self.rows:
-            rows.hold(like)
+        query = ComfyLinearRows(module.q)
+        query.hold(like)
         self.out = CastLinear(module.o, like)
         self.norm_rope = _NormRope(module, None)
         self.kwargs = choice = attention_kwargs(config, transformer_options)
@@ -233,6 +232,14 @@ class CrossAttention:
                 return text.add_(image)  # x = x + img_x, as the model sums them
             self.kwargs = {"attention_fn": text_plus_image}
         self.context = context
+        # the text keys/values, projected once (the context is short: the runtime slices them per group,
+        # and norm_k runs on each call's copy, as the model normalizes after projecting)
+        if context.shape[0] * context.shape[1] < SPLIT_FLOOR_TOKENS:
+            self.rows = [query] + [_projected_once(getattr(module, name), context) for name in ("k", "v")]
+        else:  # a context long enough to be split itself is projected by head group
+            self.rows = [query, ComfyLinearRows(module.k), ComfyLinearRows(module.v)]
+            for rows in self.rows[1:]:
+                rows.hold(like)
 
     def __call__(self, x_list, split_heads: bool = True) -> torch.Tensor:
         """Attention of `[x]` (list cleared) without `o`: `(B, N, heads, head_dim)`. `split_heads=False` for
@@ -244,8 +251,21 @@ class CrossAttention:
 
     def release(self) -> None:
         for rows in self.rows:
-            rows.release_hold()
+            if isinstance(rows, ComfyLinearRows):
+                rows.release_hold()
+        self.rows = []
         self.out.release()
+
+
+def _projected_once(linear, context: torch.Tensor) -> WholeProjection:
+    """`linear(context)` computed now through the layer's cast, as a projection that hands back the result
+    (the runtime projects a short stream whole once and slices it: nothing is computed twice)."""
+    prepared = ComfyLinearRows(linear).prepare(context)
+    try:
+        projected = prepared.full()
+    finally:
+        prepared.release()
+    return WholeProjection(lambda _context: projected, "projected once per layer call")
 
 
 def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None) -> torch.Tensor:
@@ -327,47 +347,73 @@ def bounded_block_forward(block, config):
 def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
     x = x.contiguous()
     mod = _Modulation(block, e, x)
-    batch, tokens, width = x.shape
-    step = chunk_tokens(tokens, batch * width, max(1, x.numel() // 8))
+    step = chunk_tokens(x.shape[1], x.shape[0] * x.shape[2], max(1, x.numel() // 8))
+    residual = self_attention_phase(block, x, mod, freqs, config, transformer_options, step)
+    cross_attention_phase(block, residual, context, context_img_len, config, transformer_options, step)
+    ffn_phase_(block, residual, mod)
+    return residual
 
-    # self-attention: modulated input, made by chunks, handed off
+
+def self_attention_phase(block, x, mod, freqs, config, transformer_options, step: int) -> torch.Tensor:
+    """x + self_attn(modulated x) * e2 in a fresh tensor (the block's output buffer; x is not written).
+    The modulated input is made by token chunks and handed off; the output projection runs whole into a
+    new tensor (the modulated input is gone by then, so the attention result and the projection together
+    stay under the split's own peak), and the residual is added into the projection's storage."""
+    tokens = x.shape[1]
     modulated = torch.empty_like(x)
     for a, b in token_ranges(tokens, step):
         modulated[:, a:b] = torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b))
     attention = self_attention(block.self_attn, [modulated], freqs, config, transformer_options)
     del modulated
-    y = output_projection_(block.self_attn.o, attention)
-    del attention
-    # x = x + y * e2, into y's storage: `residual` is this block's fresh output buffer
-    residual = y
-    for a, b in token_ranges(tokens, step):
-        torch.addcmul(x[:, a:b], y[:, a:b], mod(2, a, b), out=residual[:, a:b])
-    del y
-
-    # cross-attention by token chunks (queries are independent; the context is short), weights cast once
-    cross = CrossAttention(block.cross_attn, context, context_img_len, config, transformer_options, like=x)
+    out = CastLinear(block.self_attn.o, x)
     try:
-        for a, b in token_ranges(tokens, step):
+        y = out(attention.flatten(2))
+    finally:
+        out.release()
+    del attention
+    for a, b in token_ranges(tokens, step):
+        torch.addcmul(x[:, a:b], y[:, a:b], mod(2, a, b), out=y[:, a:b])
+    return y
+
+
+def cross_attention_phase(block, residual, context, context_img_len, config, transformer_options,
+                          step: int) -> None:
+    """residual += cross_attn(norm3(residual)), by token chunks (queries are independent; the context is
+    short), the weights cast and the context's keys/values projected once."""
+    cross = CrossAttention(block.cross_attn, context, context_img_len, config, transformer_options, like=residual)
+    try:
+        for a, b in token_ranges(residual.shape[1], step):
             part = cross([block.norm3(residual[:, a:b])], split_heads=False)
-            residual[:, a:b] += output_projection_(None, part, cast=cross.out)
+            residual[:, a:b] += cross.out(part.flatten(2))  # the chunk is small: one product, not sub-chunks
             del part
     finally:
         cross.release()
 
-    # feed-forward by token chunks, weights cast once
-    up, down = CastLinear(block.ffn[0], x), CastLinear(block.ffn[2], x)
+
+FFN_CHUNK_FRACTION = 2   # one FFN chunk's hidden activation holds at most |x| / 2 elements
+
+
+def ffn_phase_(block, residual, mod) -> None:
+    """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place; weights cast once. The
+    GELU runs in place on the chunk's hidden activation (the only wide transient)."""
+    batch, tokens, _ = residual.shape
+    act = block.ffn[1]
+    up, down = CastLinear(block.ffn[0], residual), CastLinear(block.ffn[2], residual)
     try:
-        ffn_step = chunk_tokens(tokens, batch * up.weight.shape[0], max(1, x.numel() // 8))
+        ffn_step = even_chunk_tokens(tokens, batch * up.weight.shape[0],
+                                     max(1, residual.numel() // FFN_CHUNK_FRACTION))
         for a, b in token_ranges(tokens, ffn_step):
             part = residual[:, a:b]
             hidden = up(torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b)))
-            hidden = block.ffn[1](hidden)
+            if type(act) is torch.nn.GELU:
+                torch.ops.aten.gelu_(hidden, approximate=act.approximate)
+            else:
+                hidden = act(hidden)
             torch.addcmul(part, down(hidden), mod(5, a, b), out=part)
             del hidden, part
     finally:
         up.release()
         down.release()
-    return residual
 
 
 def bounded_vace_block_forward(block, config):

@@ -17,10 +17,19 @@ class PreparedProjection:
     """A projection ready for one layer call. Holds the input (and any cast weight) until `release()`.
 
     `rows(start, stop)` returns a new tensor `(*x.shape[:-1], stop - start)` that the caller owns.
+    `rows_into(out, start, stop, token_start)` writes the same rows for the tokens
+    `[token_start, token_start + out.shape[1])` into `out` `(batch, n, stop - start)` (any strides), so a
+    caller can project the full width a chunk of tokens at a time, or straight into a buffer it already
+    has. It is cheap only where `by_tokens` is True; the default computes every token and copies.
     """
+
+    by_tokens = False
 
     def rows(self, start: int, stop: int) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        out.copy_(self.rows(start, stop)[:, token_start:token_start + out.shape[1]])
 
     def full(self) -> torch.Tensor:
         raise NotImplementedError
@@ -53,9 +62,24 @@ class WeightRows(PreparedProjection):
                  on_release: Optional[Callable[[], None]] = None):
         self.x, self.weight, self.bias, self._on_release = x, weight, bias, on_release
 
+    by_tokens = True
+
     def rows(self, start: int, stop: int) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[start:stop]
         return F.linear(self.x, self.weight[start:stop], bias)
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        """The product goes straight into `out`: no temporary of the output's size. `self.x` is
+        `(batch, tokens, in)` or `(tokens, in)`."""
+        x = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
+        x = x[:, token_start:token_start + out.shape[1]]
+        weight_t = self.weight[start:stop].t()
+        bias = None if self.bias is None else self.bias[start:stop]
+        for item in range(out.shape[0]):  # one 2-D product per batch item (F.linear's own addmm)
+            if bias is None:
+                torch.mm(x[item], weight_t, out=out[item])
+            else:
+                torch.addmm(bias, x[item], weight_t, out=out[item])
 
     def full(self) -> torch.Tensor:
         return F.linear(self.x, self.weight, self.bias)
@@ -90,6 +114,15 @@ class WholeThenSlice(PreparedProjection):
             self._whole = self._prepared.full()
             self._prepared.release()
         return self._whole[..., start:stop].clone()
+
+    by_tokens = True
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        if self._whole is None:
+            self._whole = self._prepared.full()
+            self._prepared.release()
+        whole = self._whole if self._whole.dim() == 3 else self._whole.unsqueeze(0)
+        out.copy_(whole[:, token_start:token_start + out.shape[1], start:stop])
 
     def full(self) -> torch.Tensor:
         if self._whole is not None:

@@ -93,6 +93,15 @@ class _Source:
             del self.prepared[name]
         return out
 
+    def rows_into(self, name: str, out: torch.Tensor, start: int, stop: int, token_start: int = 0,
+                  release: bool = False) -> None:
+        self.prepared[name].rows_into(out, start, stop, token_start)
+        if release:
+            self.prepared.pop(name).release()
+
+    def by_tokens(self, name: str) -> bool:
+        return self.prepared[name].by_tokens
+
     def release(self) -> None:
         for prepared in self.prepared.values():
             prepared.release()
@@ -253,8 +262,11 @@ class _Call:
         for which, tokens, total_heads, attr in (("q", self.q_tokens, self.heads, "q"),
                                                   ("k", self.kv_tokens, self.kv_heads, "kv")):
             acc = torch.zeros((self.batch, tokens), dtype=torch.float32, device=self._device)
+            sources = self.q_sources if which == "q" else self.kv_sources
             if which == "q" and q_out is not None:
                 self._project_q_into(q_out, groups, acc)
+            elif all(s.by_tokens(which) for s in sources):
+                self._sum_squares_by_tokens(which, sources, acc, len(groups))
             else:
                 for group in groups:
                     part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
@@ -262,6 +274,27 @@ class _Call:
                     del part
             stats.append(acc.div_(total_heads * d).unsqueeze(-1))
         return stats[0], stats[1]
+
+    def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, group_count_: int) -> None:
+        """acc (B, N) float32 += the squares of every head of `which`, projected at full width a chunk of
+        tokens at a time: one wide product per chunk instead of one narrow product per group. A chunk holds
+        as many elements as one group's k and v together, so the peak stays where the groups put it."""
+        width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
+        total = sum(s.tokens for s in sources)
+        step = max(256, -(-2 * total // group_count_))
+        buffer, offset = None, 0
+        for source in sources:
+            for a in range(0, source.tokens, step):
+                n = min(step, source.tokens - a)
+                if buffer is None:
+                    buffer = torch.empty((self.batch, min(step, total), width), dtype=self._dtype,
+                                         device=self._device)
+                part = buffer[:, :n]
+                source.rows_into(which, part, 0, width, a)
+                _sum_squares(part.unflatten(-1, (-1, self.head_dim)), acc[:, offset + a:offset + a + n])
+                del part
+            offset += source.tokens
+        del buffer
 
     # --- prefix ----------------------------------------------------------------------------------------
     def _prefix_writer(self, which: str, kv_range: range):
@@ -295,7 +328,8 @@ class _Call:
     def run(self) -> torch.Tensor:
         o, d = self.o, self.head_dim
         x0 = self.sources[0].x
-        self._device, dtype = x0.device, x0.dtype
+        self._device, self._dtype = x0.device, x0.dtype
+        dtype = self._dtype
         del x0
         groups = self._plan()
         staged = self.staged
@@ -332,7 +366,18 @@ class _Call:
 
     def _project_q_into(self, out: torch.Tensor, groups, sum_squares: Optional[torch.Tensor] = None) -> None:
         """q of every group into its heads of `out` (`sum_squares` (B, Nq) float32 += their squares); the q
-        projections are released after the last group."""
+        projections are released after the last group. Where the projections can, all heads in one product
+        written straight into `out` (no temporary, the GEMM at its most efficient)."""
+        sources = [s for s in self.q_sources if "q" in s.proj]
+        if all(s.by_tokens("q") for s in sources):
+            flat, offset, width = out.flatten(2), 0, self.heads * self.head_dim
+            for source in sources:
+                source.rows_into("q", flat[:, offset:offset + source.tokens], 0, width, release=True)
+                offset += source.tokens
+            del flat
+            if sum_squares is not None:
+                _sum_squares(out, sum_squares)
+            return
         for index, group in enumerate(groups):
             q = self._project("q", group.q, last=index == len(groups) - 1)
             if sum_squares is not None:
