@@ -140,11 +140,12 @@ class _NormRope:
     With a split, each group is normalized from the per-token statistics of all heads (their inverse RMS
     computed once a call, like the norm weights); unsplit, the model's own norm runs. The norm's output is
     rounded once, then rotated in float32 (as the model's `apply_rope1` does): one fused Triton pass on CUDA,
-    else bounded token chunks of PyTorch ops."""
+    else bounded token chunks of PyTorch ops. `key_norm=None`: the keys come normalized (left as they are).
+    `whole=True`: the tensors are small chunks already, so the model's own norm runs on each in one call."""
 
-    def __init__(self, module, freqs, key_norm: str = "norm_k"):
-        self.norms = (module.norm_q, getattr(module, key_norm))
-        self.freqs, self.head_dim = freqs, module.head_dim
+    def __init__(self, module, freqs, key_norm: Optional[str] = "norm_k", whole: bool = False):
+        self.norms = (module.norm_q, None if key_norm is None else getattr(module, key_norm))
+        self.freqs, self.head_dim, self.whole = freqs, module.head_dim, whole
         self._weights = [None, None]
         self._inverse_rms = [None, None]   # (mean_squares it was made from, rsqrt(ms + eps) (B, N, 1, 1))
 
@@ -175,7 +176,9 @@ class _NormRope:
 
             def normalize(part, a, b):  # rounded once before the rotation, as the model does
                 return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
-        else:  # t holds every head: the model's own norm
+        elif self.whole:  # t holds every head: the model's own norm
+            t.copy_(module_rows(t, norm))
+        else:
             rows_(t, lambda part, a, b: module_rows(part, norm))
         if freqs is None and normalize is None:
             return
@@ -190,7 +193,7 @@ class _NormRope:
     def __call__(self, query, key, group) -> None:
         if query is not None:
             self._apply_(query, 0, group.q, group)
-        if key is not None:
+        if key is not None and self.norms[1] is not None:
             self._apply_(key, 1, group.kv, group)
 
 
@@ -212,7 +215,6 @@ class CrossAttention:
         query = ComfyLinearRows(module.q)
         query.hold(like)
         self.out = CastLinear(module.o, like)
-        self.norm_rope = _NormRope(module, None)
         self.kwargs = choice = attention_kwargs(config, transformer_options)
         if hasattr(module, "k_img"):
             context_img, context = context[:, :context_img_len], context[:, context_img_len:]
@@ -232,21 +234,25 @@ class CrossAttention:
                 return text.add_(image)  # x = x + img_x, as the model sums them
             self.kwargs = {"attention_fn": text_plus_image}
         self.context = context
-        # the text keys/values, projected once (the context is short: the runtime slices them per group,
-        # and norm_k runs on each call's copy, as the model normalizes after projecting)
         if context.shape[0] * context.shape[1] < SPLIT_FLOOR_TOKENS:
-            self.rows = [query] + [_projected_once(getattr(module, name), context) for name in ("k", "v")]
+            # the text keys (normalized) and values, computed once: the runtime slices them per group
+            self.rows = [query, _projected_once(module.k, context, module.norm_k), _projected_once(module.v, context)]
+            key_norm = None
         else:  # a context long enough to be split itself is projected by head group
             self.rows = [query, ComfyLinearRows(module.k), ComfyLinearRows(module.v)]
             for rows in self.rows[1:]:
                 rows.hold(like)
+            key_norm = "norm_k"
+        self.norm_rope = _NormRope(module, None, key_norm)
+        self.chunk_norm_rope = _NormRope(module, None, key_norm, whole=True)
 
     def __call__(self, x_list, split_heads: bool = True) -> torch.Tensor:
         """Attention of `[x]` (list cleared) without `o`: `(B, N, heads, head_dim)`. `split_heads=False` for
         token chunks, which are small already."""
         module = self.module
+        norm_rope = self.norm_rope if split_heads else self.chunk_norm_rope
         return cross_qkv_attention(x_list, [self.context], *self.rows, module.num_heads, module.head_dim,
-                                   self.norm_rope, norm_spans_heads=not isinstance(module.norm_q, torch.nn.Identity),
+                                   norm_rope, norm_spans_heads=not isinstance(module.norm_q, torch.nn.Identity),
                                    head_split_level=self.level, split_heads=split_heads, **self.kwargs)
 
     def release(self) -> None:
@@ -257,14 +263,16 @@ class CrossAttention:
         self.out.release()
 
 
-def _projected_once(linear, context: torch.Tensor) -> WholeProjection:
-    """`linear(context)` computed now through the layer's cast, as a projection that hands back the result
-    (the runtime projects a short stream whole once and slices it: nothing is computed twice)."""
+def _projected_once(linear, context: torch.Tensor, norm=None) -> WholeProjection:
+    """`linear(context)` (then `norm`) computed now through the layer's cast, as a projection that hands
+    back the result (the runtime projects a short stream whole once and slices it: nothing runs twice)."""
     prepared = ComfyLinearRows(linear).prepare(context)
     try:
         projected = prepared.full()
     finally:
         prepared.release()
+    if norm is not None and not isinstance(norm, torch.nn.Identity):
+        projected = norm(projected)
     return WholeProjection(lambda _context: projected, "projected once per layer call")
 
 

@@ -38,6 +38,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 import types
@@ -349,34 +350,45 @@ def _diff(output: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
 
 
 def measure(workload: Workload, case: Case, device, dtype, args) -> dict:
-    """Runs every method of the workload on one case: peak, times, difference from the reference."""
+    """Runs every method of the workload on one case: peak, times, difference from the reference. The
+    timed runs take turns (one run of every method per round, `repeats` rounds, after each method's
+    warm-up), so a clock that drifts as the GPU warms up weighs on every method alike."""
     prepared = workload.setup(case, device, dtype, args)
     rows, reference = [], None
+    make_args = lambda: (prepared.make_input(),)  # noqa: E731
     for method in prepared.methods:
         x_list = prepared.make_input()
         peak = measure_peak(method.run, x_list, device=device, live=prepared.live)
         output = peak.result
         peak = peak._replace(result=None)
         del x_list
-        timing = time_call(method.run, setup=lambda: (prepared.make_input(),), warmup=args.warmup,
-                           repeats=args.repeats, device=device)
         if reference is None:
             reference, diff, rel = output, 0.0, 0.0
         else:
             diff, rel = _diff(output, reference)
         del output
+        time_call(method.run, setup=make_args, warmup=args.warmup, repeats=0, device=device)
         row = dict(method=method.name, groups=method.groups, peak_bytes=peak.peak_bytes,
                    peak_gib=peak.peak_bytes / GiB, peak_x=peak.peak_bytes / prepared.unit_bytes,
-                   time_s=timing.median_s, times_s=timing.times_s, cpu_time_s=timing.cpu_median_s,
-                   max_abs_diff=diff, rel_diff=rel)
+                   times_s=[], cpu_times_s=[], max_abs_diff=diff, rel_diff=rel)
         if device.type == "cpu":
             row["untracked_alias_bytes"] = peak.untracked_alias_bytes
             row["breakdown_bytes"] = peak.breakdown
         rows.append(row)
-        if args.verbose:
-            print(f"  {case.name}: {method.name}: peak {row['peak_x']:.2f}x |x|, {timing.median_s * 1e3:.0f} ms",
-                  file=sys.stderr, flush=True)
     del reference
+    for _ in range(args.repeats):
+        for method, row in zip(prepared.methods, rows):
+            timing = time_call(method.run, setup=make_args, warmup=0, repeats=1, device=device)
+            row["times_s"] += timing.times_s
+            if timing.cpu_median_s is not None:
+                row["cpu_times_s"].append(timing.cpu_median_s)
+    for row in rows:
+        row["time_s"] = statistics.median(row["times_s"]) if row["times_s"] else float("nan")
+        cpu_times = row.pop("cpu_times_s")
+        row["cpu_time_s"] = statistics.median(cpu_times) if cpu_times else None
+        if args.verbose:
+            print(f"  {case.name}: {row['method']}: peak {row['peak_x']:.2f}x |x|, {row['time_s'] * 1e3:.0f} ms",
+                  file=sys.stderr, flush=True)
     parts = []
     if prepared.extras is not None:
         for label, peak_bytes in prepared.extras():

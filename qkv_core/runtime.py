@@ -19,7 +19,7 @@ from . import head_split
 from .head_split import HeadGroup, group_count, head_groups, parse_level
 from .notices import notice_once
 from .prefix import KVPrefix, PrefixLayer
-from .projections import PreparedProjection, WholeThenSlice, as_row_projection
+from .projections import PreparedProjection, WholeThenSlice, as_row_projection, rows_of_both
 from .q8 import dequantize_q8_into
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
@@ -341,7 +341,10 @@ class _Call:
         try:
             for source in self.sources:
                 source.prepare()
-            out = torch.empty((self.batch, self.q_tokens, self.heads, d), dtype=dtype, device=self._device)
+            shape = (self.batch, self.q_tokens, self.heads, d)
+            # one group, not staged: the attention's own result is returned (no buffer beside it, no copy)
+            single = len(groups) == 1 and staged is None
+            out = None if single else torch.empty(shape, dtype=dtype, device=self._device)
             # Split and not staged: every group's q is projected first, into the output buffer (each group's
             # attention then overwrites its own q), so q costs no memory of its own and is projected once,
             # also when a spanning norm needs its statistics before any group can be normalized.
@@ -357,8 +360,14 @@ class _Call:
                 last = index == len(groups) - 1
                 if staged is not None:
                     self._group_staged(staged, group, out, last, shared_kv)
-                else:
-                    self._group(group, out, last, shared_kv, q_in_out)
+                    continue
+                result = self._group(group, out, last, shared_kv, q_in_out)
+                if single and tuple(result.shape) == shape and result.dtype == dtype:
+                    return result
+                if out is None:
+                    out = torch.empty(shape, dtype=dtype, device=self._device)
+                out[:, :, group.q.start:group.q.stop] = result
+                del result
             return out
         finally:
             for source in self.sources:
@@ -401,6 +410,29 @@ class _Call:
                                        release=last and not (s.shared_kv and k_later)),
                       self.kv_sources, self.kv_tokens, hk, d)
             k = None
+        return k, self._finish_v(v, group)
+
+    def _project_kv(self, group: HeadGroup, last: bool):
+        """(k, v) of a group in one product (k not normalized; v normalized by norm_v and joined with the
+        prefix), or None where `rows_of_both` cannot: one key/value stream with separate k and v modules."""
+        if len(self.kv_sources) != 1:
+            return None
+        source = self.kv_sources[0]
+        if source.shared_kv or "v" not in source.prepared:
+            return None
+        d = self.head_dim
+        both = rows_of_both(source.prepared["k"], source.prepared["v"], group.kv.start * d, group.kv.stop * d)
+        if both is None:
+            return None
+        if last:
+            for name in ("k", "v"):
+                source.prepared.pop(name).release()
+        k, v = (t.unflatten(-1, (len(group.kv), d)) for t in both)
+        del both
+        return k, self._finish_v(v, group)
+
+    def _finish_v(self, v: torch.Tensor, group: HeadGroup) -> torch.Tensor:
+        d, hk = self.head_dim, len(group.kv)
         if self.o.norm_v is not None:
             self.o.norm_v(v, group)
         prefix_tokens, write = self._prefix_writer("v", group.kv)
@@ -410,7 +442,7 @@ class _Call:
             joined[:, prefix_tokens:] = v
             v = joined
             del joined
-        return k, v
+        return v
 
     def _project_k(self, group: HeadGroup, last: bool, v_later: bool) -> torch.Tensor:
         """k of a group (not normalized); `v_later`: v of this group is projected after k."""
@@ -434,10 +466,12 @@ class _Call:
         return _join(lambda s: s.rows(which, group_range.start * d, group_range.stop * d, release=last),
                      sources, sum(s.tokens for s in sources), len(group_range), d)
 
-    def _group(self, group: HeadGroup, out: torch.Tensor, last: bool, shared_kv: bool, q_in_out: bool) -> None:
-        """q, then k, then v, each normalized as soon as it is projected: the norm's scratch is live beside
-        at most two of the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was
-        projected into this group's heads of `out` (normalized here in place, a strided view)."""
+    def _group(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, shared_kv: bool,
+               q_in_out: bool) -> torch.Tensor:
+        """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place. q, then k,
+        then v, each normalized as soon as it is projected: the norm's scratch is live beside at most two of
+        the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was projected into
+        this group's heads of `out` (normalized here in place, a strided view)."""
         o = self.o
         norm = self.norm_rope
         heads = slice(group.q.start, group.q.stop)
@@ -446,6 +480,12 @@ class _Call:
             norm(q, None, group)
         if shared_kv:
             k, v = self._project_v(group, last, shared_kv, k_later=False)
+            if norm is not None:
+                norm(None, k, group)
+            k = self._join_k_prefix(k, group)
+        elif (both := self._project_kv(group, last)) is not None:
+            k, v = both
+            del both
             if norm is not None:
                 norm(None, k, group)
             k = self._join_k_prefix(k, group)
@@ -466,7 +506,7 @@ class _Call:
             result = pay_attention(q, k, v, mask=self._group_mask(group), force_attention=self.backend.name,
                                    softmax_scale=o.softmax_scale)
             del q, k, v
-        out[:, :, group.q.start:group.q.stop] = result
+        return result
 
     def _group_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool,
                       shared_kv: bool) -> None:
