@@ -310,6 +310,14 @@ def patched_cross_attention_forward(module, config):
 
 
 # --- the bounded block ----------------------------------------------------------------------------------
+# Token chunks of the phases after self-attention, as fractions of |x|: their transients stay under the
+# self-attention's own peak at High (cross-attention holds several chunk-sized tensors, a float32 norm scratch
+# among them where rms_norm is not fused; the FFN's hidden activation is 2.7x wider than x), and the chunks
+# stay large enough for the products to run near full speed.
+CROSS_CHUNK_FRACTION = 8
+FFN_CHUNK_FRACTION = 2   # one FFN chunk's hidden activation holds at most |x| / 2 elements
+
+
 class _Modulation:
     """Wan's six modulation vectors (`block.modulation + e`) for a range of tokens at a time. `e` is
     `(B, 6, C)`, `(B, 1, 6, C)`, per token `(B, N, 6, C)` or per frame `(B, T, 6, C)` (Wan 2.2 5B), repeated
@@ -357,7 +365,8 @@ def run_bounded_block(block, x, e, freqs, context, context_img_len, config, tran
     mod = _Modulation(block, e, x)
     step = chunk_tokens(x.shape[1], x.shape[0] * x.shape[2], max(1, x.numel() // 8))
     residual = self_attention_phase(block, x, mod, freqs, config, transformer_options, step)
-    cross_attention_phase(block, residual, context, context_img_len, config, transformer_options, step)
+    cross_step = even_chunk_tokens(x.shape[1], x.shape[0] * x.shape[2], max(1, x.numel() // CROSS_CHUNK_FRACTION))
+    cross_attention_phase(block, residual, context, context_img_len, config, transformer_options, cross_step)
     ffn_phase_(block, residual, mod)
     return residual
 
@@ -396,9 +405,6 @@ def cross_attention_phase(block, residual, context, context_img_len, config, tra
             del part
     finally:
         cross.release()
-
-
-FFN_CHUNK_FRACTION = 2   # one FFN chunk's hidden activation holds at most |x| / 2 elements
 
 
 def ffn_phase_(block, residual, mod) -> None:

@@ -278,10 +278,11 @@ class _Call:
     def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, group_count_: int) -> None:
         """acc (B, N) float32 += the squares of every head of `which`, projected at full width a chunk of
         tokens at a time: one wide product per chunk instead of one narrow product per group. A chunk holds
-        as many elements as one group's k and v together, so the peak stays where the groups put it."""
+        as many elements as one group's k, v and attention result together, so the peak stays where the
+        groups put it."""
         width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
         total = sum(s.tokens for s in sources)
-        step = max(256, -(-2 * total // group_count_))
+        step = max(256, -(-3 * total // group_count_))
         buffer, offset = None, 0
         for source in sources:
             for a in range(0, source.tokens, step):
