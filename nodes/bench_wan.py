@@ -89,7 +89,7 @@ def build_block(device, dtype, seed: int) -> torch.nn.Module:
     return block.eval().requires_grad_(False)
 
 
-def rope_freqs(grid, tokens: int, device, dtype) -> torch.Tensor:
+def rope_freqs(grid, tokens: int, device, dtype, head_dim: int = HEAD_DIM) -> torch.Tensor:
     """`WanModel.rope_encode` for the first `tokens` positions of the latent grid (t, h, w): ids in x's
     dtype, `EmbedND(...)(ids).movedim(1, 2)` -> float32 `(1, tokens, 1, 64, 2, 2)`."""
     t, h, w = grid
@@ -97,7 +97,7 @@ def rope_freqs(grid, tokens: int, device, dtype) -> torch.Tensor:
         t = math.ceil(tokens / (h * w))
     ids = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
     ids = ids.reshape(1, -1, 3)[:, :tokens].to(device=device, dtype=dtype)
-    d = HEAD_DIM
+    d = head_dim
     embed = EmbedND(dim=d, theta=10000.0, axes_dim=[d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6)])
     return embed(ids).movedim(1, 2)
 

@@ -145,7 +145,7 @@ class _NormRope:
 
     def __init__(self, module, freqs, key_norm: Optional[str] = "norm_k", whole: bool = False):
         self.norms = (module.norm_q, None if key_norm is None else getattr(module, key_norm))
-        self.freqs, self.head_dim, self.whole = freqs, module.head_dim, whole
+        self.freqs, self.head_dim, self.heads, self.whole = freqs, module.head_dim, module.num_heads, whole
         self._weights = [None, None]
         self._inverse_rms = [None, None]   # (mean_squares it was made from, rsqrt(ms + eps) (B, N, 1, 1))
 
@@ -176,6 +176,13 @@ class _NormRope:
 
             def normalize(part, a, b):  # rounded once before the rotation, as the model does
                 return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
+        elif t.is_cuda and t.shape[2] == self.heads and kernels.can_run(t):
+            # t holds every head: its statistics, then one fused pass
+            mean_squares = torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_()
+            mean_squares = mean_squares.div_(t.shape[2] * t.shape[3]).unsqueeze(-1)
+            if kernels.norm_rope_(t, self._inverse(which, mean_squares), self._weight(which, t, head_range), freqs):
+                return
+            rows_(t, lambda part, a, b: module_rows(part, norm))
         elif self.whole:  # t holds every head: the model's own norm
             t.copy_(module_rows(t, norm))
         else:
@@ -379,7 +386,7 @@ def self_attention_phase(block, x, mod, freqs, config, transformer_options, step
     tokens = x.shape[1]
     modulated = torch.empty_like(x)
     for a, b in token_ranges(tokens, step):
-        modulated[:, a:b] = torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b))
+        torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
     attention = self_attention(block.self_attn, [modulated], freqs, config, transformer_options)
     del modulated
     out = CastLinear(block.self_attn.o, x)

@@ -282,7 +282,7 @@ class _Call:
         groups put it."""
         width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
         total = sum(s.tokens for s in sources)
-        step = max(256, -(-3 * total // group_count_))
+        step = -(-max(256, -(-3 * total // group_count_)) // 256) * 256  # whole tiles of 256 rows
         buffer, offset = None, 0
         for source in sources:
             for a in range(0, source.tokens, step):

@@ -1,0 +1,81 @@
+"""The bounded Wan block on CUDA (skipped without CUDA or ComfyUI): ComfyUI's own `WanAttentionBlock`, random
+weights, 16 heads of 32 (512 wide), 16,384 tokens. On CUDA the adapter takes paths the CPU tests cannot reach
+(the fused norm + RoPE Triton kernel for whole and split tensors, products straight into the output buffer,
+CUDA allocator peaks), so they are checked here against the block's own forward and for their peak."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import comfy_env
+
+pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]
+
+WIDTH, HEADS, FFN, TOKENS, GRID = 512, 16, 1536, 16384, (4, 64, 64)
+
+
+@pytest.fixture(scope="module")
+def env():
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    import comfy.ldm.wan.model as wan_model
+    import comfy.ops
+    bench_wan = importlib.import_module(pack.__name__ + ".nodes.bench_wan")
+    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    config = importlib.import_module(pack.__name__ + ".nodes.dispatch").QKVConfig
+    memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
+
+    def build(dtype):
+        settings = {"operations": comfy.ops.disable_weight_init, "device": torch.device("cuda"), "dtype": dtype}
+        block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True,
+                                            cross_attn_norm=True, eps=1e-6, operation_settings=settings)
+        bench_wan.fill_random_(block, 0)
+        block = block.eval().requires_grad_(False)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(1, TOKENS, WIDTH, generator=generator).to("cuda", dtype)
+        e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to("cuda", dtype)
+        context = torch.randn(1, 64, WIDTH, generator=generator).to("cuda", dtype)
+        freqs = bench_wan.rope_freqs(GRID, TOKENS, torch.device("cuda"), dtype, WIDTH // HEADS)
+        return block, x, dict(e=e, freqs=freqs, context=context)
+
+    return build, wan, config, memory
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.fixture
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_bounded_block_equals_stock_float32(env, no_tf32, level):
+    build, wan, config, _ = env
+    block, x, inputs = build(torch.float32)
+    with torch.no_grad():
+        stock = block(x, **inputs)
+        ours = wan.bounded_block_forward(block, config(level, "sdpa", True))(x, **inputs)
+    assert rel_err(ours, stock) <= 1e-4, level
+
+
+def test_bounded_block_bf16_close_and_bounded(env):
+    """bf16 at High: within a few bf16 steps of stock, and the CUDA allocator's peak (above the inputs and
+    weights, the output included) at most 2.5 x |x| and at most 0.4 x stock's."""
+    build, wan, config, memory = env
+    block, x, inputs = build(torch.bfloat16)
+    unit = x.numel() * x.element_size()
+    forward = wan.bounded_block_forward(block, config(3, "sdpa", True))
+    with torch.no_grad():
+        stock = memory.measure_peak(block, x, device=x.device, **inputs)
+        ours = memory.measure_peak(forward, x, device=x.device, **inputs)
+    assert rel_err(ours.result, stock.result) <= 2e-2
+    assert ours.peak_bytes <= 2.5 * unit, ours.peak_bytes / unit
+    assert ours.peak_bytes <= 0.4 * stock.peak_bytes, (ours.peak_bytes / unit, stock.peak_bytes / unit)
