@@ -300,3 +300,20 @@ def test_memory_estimate_is_restored_after_a_cancel(env):
     with pytest.raises(comfy.model_management.InterruptProcessingException):
         comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
     assert base.model.memory_usage_factor == stock_factor
+
+
+@pytest.mark.parametrize("tokens,per_token,budget", [
+    (75600, 13824, 75600 * 5120 // 2), (32760, 13824, 32760 * 5120 // 2), (12288, 1536, 12288 * 512 // 2),
+    (300, 10, 1000), (1000, 1, 10 ** 9)])
+def test_even_chunks_respect_the_budget(env, tokens, per_token, budget):
+    """FFN / cross-attention chunks: never above what the budget allows, as few chunks as that allows, as
+    equal as possible, and whole multiples of 256 tokens where that still fits."""
+    ops = importlib.import_module(env.pack.__name__ + ".nodes.comfy_ops")
+    most = ops.chunk_tokens(tokens, per_token, budget)
+    step = ops.even_chunk_tokens(tokens, per_token, budget)
+    assert step <= most
+    assert -(-tokens // step) == -(-tokens // most)       # no more chunks than the budget needs
+    sizes = [b - a for a, b in ops.token_ranges(tokens, step)]
+    assert sum(sizes) == tokens and max(sizes) - min(sizes) <= max(256, -(-tokens // len(sizes)))
+    if -(-(-(-tokens // len(sizes))) // 256) * 256 <= most:
+        assert step % 256 == 0

@@ -1,0 +1,88 @@
+"""Row projections beyond `rows()` (SPEC §1.1-1.3): rows of a token range written straight into a buffer
+(`rows_into`, used for q of every head into the output buffer and for the full-width key statistics), and the
+key and value rows of one group in one product (`rows_of_both`). Each is checked against `F.linear` of the
+same rows, in float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import qkv_core as qc
+from qkv_core.projections import WholeThenSlice, rows_of_both
+from reference import make_linear, randn
+
+
+def _prepared(linear, x):
+    return qc.as_row_projection(linear).prepare(x)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rows_into_a_strided_token_range(bias, batch):
+    linear = make_linear(48, 96, seed=1, dtype=torch.float64)
+    if not bias:
+        linear.bias = None
+    x = randn(batch, 40, 48, seed=2).double()
+    prepared = _prepared(linear, x)
+    assert prepared.by_tokens
+    buffer = torch.full((batch, 40, 200), float("nan"), dtype=torch.float64)
+    view = buffer[:, 10:25, 50:82]            # rows 16..48 of tokens 10..25, a view with row stride 200
+    prepared.rows_into(view, 16, 48, token_start=10)
+    expected = F.linear(x, linear.weight, linear.bias)[:, 10:25, 16:48]
+    torch.testing.assert_close(view, expected, rtol=1e-12, atol=1e-12)
+    assert torch.isnan(buffer[:, :10]).all() and torch.isnan(buffer[:, 25:]).all()   # nothing else written
+    assert torch.isnan(buffer[:, 10:25, :50]).all() and torch.isnan(buffer[:, 10:25, 82:]).all()
+
+
+def test_rows_into_whole_then_slice_and_default():
+    """A projection that runs whole (any callable) computes once and hands out token/row slices; a custom
+    `PreparedProjection` with only `rows()` still gets a correct (if not cheap) `rows_into`."""
+    linear = make_linear(32, 64, seed=3, dtype=torch.float64)
+    x = randn(2, 30, 32, seed=4).double()
+    calls = []
+
+    def whole(t):
+        calls.append(1)
+        return F.linear(t, linear.weight, linear.bias)
+
+    expected = F.linear(x, linear.weight, linear.bias)
+    sliced = WholeThenSlice(qc.WholeProjection(whole).prepare(x))
+    assert sliced.by_tokens
+    for a in (0, 12, 24):
+        out = torch.empty(2, 6, 20, dtype=torch.float64)
+        sliced.rows_into(out, 8, 28, token_start=a)
+        torch.testing.assert_close(out, expected[:, a:a + 6, 8:28])
+    assert len(calls) == 1
+
+    class RowsOnly(qc.PreparedProjection):
+        def rows(self, start, stop):
+            return F.linear(x, linear.weight[start:stop], linear.bias[start:stop])
+
+    plain = RowsOnly()
+    assert not plain.by_tokens
+    out = torch.empty(2, 5, 10, dtype=torch.float64)
+    plain.rows_into(out, 3, 13, token_start=20)
+    torch.testing.assert_close(out, expected[:, 20:25, 3:13])
+
+
+def test_rows_of_both_equals_two_products():
+    k_linear, v_linear = make_linear(48, 64, seed=5, dtype=torch.float64), make_linear(48, 64, seed=6,
+                                                                                      dtype=torch.float64)
+    x = randn(2, 33, 48, seed=7).double()
+    k_rows, v_rows = _prepared(k_linear, x), _prepared(v_linear, x)
+    k, v = rows_of_both(k_rows, v_rows, 16, 48)
+    torch.testing.assert_close(k, F.linear(x, k_linear.weight[16:48], k_linear.bias[16:48]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v, F.linear(x, v_linear.weight[16:48], v_linear.bias[16:48]), rtol=1e-12, atol=1e-12)
+    assert k.shape == v.shape == (2, 33, 32) and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+
+
+def test_rows_of_both_declines_what_it_cannot_fuse():
+    k_linear, v_linear = make_linear(16, 32, seed=8), make_linear(16, 32, seed=9)
+    x, other = randn(1, 8, 16, seed=10), randn(1, 8, 16, seed=11)
+    no_bias = make_linear(16, 32, seed=12)
+    no_bias.bias = None
+    assert rows_of_both(_prepared(k_linear, x), _prepared(v_linear, other), 0, 8) is None      # two inputs
+    assert rows_of_both(_prepared(k_linear, x), _prepared(no_bias, x), 0, 8) is None           # bias kinds
+    whole = WholeThenSlice(qc.WholeProjection(v_linear).prepare(x))
+    assert rows_of_both(_prepared(k_linear, x), whole, 0, 8) is None                          # runs whole
