@@ -91,24 +91,6 @@ class WeightRows(PreparedProjection):
             on_release()
 
 
-def rows_of_both(first: PreparedProjection, second: PreparedProjection, start: int, stop: int):
-    """Rows `[start, stop)` of two projections of one input (a key and a value) in one product over their
-    stacked weight rows: `(first_rows, second_rows)`, views of one new `(..., 2 * (stop - start))` tensor
-    that the caller owns. None when they are not both `WeightRows` of the same input, dtype and bias kind.
-    One product twice as wide runs closer to the GPU's peak than two narrow ones."""
-    if not (type(first) is WeightRows and type(second) is WeightRows and first.x is second.x):
-        return None
-    if (first.weight.dtype != second.weight.dtype or first.weight.device != second.weight.device
-            or (first.bias is None) != (second.bias is None)):
-        return None
-    weight = torch.cat([first.weight[start:stop], second.weight[start:stop]])
-    bias = None if first.bias is None else torch.cat([first.bias[start:stop], second.bias[start:stop]])
-    both = F.linear(first.x, weight, bias)
-    del weight, bias
-    width = stop - start
-    return both[..., :width], both[..., width:]
-
-
 class LinearRows(RowProjection):
     """`torch.nn.Linear` by rows: rows of the weight are contiguous, so a slice is a free view."""
 

@@ -19,7 +19,7 @@ from . import head_split
 from .head_split import HeadGroup, group_count, head_groups, parse_level
 from .notices import notice_once
 from .prefix import KVPrefix, PrefixLayer
-from .projections import PreparedProjection, WholeThenSlice, as_row_projection, rows_of_both
+from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 from .q8 import dequantize_q8_into
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
@@ -413,25 +413,6 @@ class _Call:
             k = None
         return k, self._finish_v(v, group)
 
-    def _project_kv(self, group: HeadGroup, last: bool):
-        """(k, v) of a group in one product (k not normalized; v normalized by norm_v and joined with the
-        prefix), or None where `rows_of_both` cannot: one key/value stream with separate k and v modules."""
-        if len(self.kv_sources) != 1:
-            return None
-        source = self.kv_sources[0]
-        if source.shared_kv or "v" not in source.prepared:
-            return None
-        d = self.head_dim
-        both = rows_of_both(source.prepared["k"], source.prepared["v"], group.kv.start * d, group.kv.stop * d)
-        if both is None:
-            return None
-        if last:
-            for name in ("k", "v"):
-                source.prepared.pop(name).release()
-        k, v = (t.unflatten(-1, (len(group.kv), d)) for t in both)
-        del both
-        return k, self._finish_v(v, group)
-
     def _finish_v(self, v: torch.Tensor, group: HeadGroup) -> torch.Tensor:
         d, hk = self.head_dim, len(group.kv)
         if self.o.norm_v is not None:
@@ -481,12 +462,6 @@ class _Call:
             norm(q, None, group)
         if shared_kv:
             k, v = self._project_v(group, last, shared_kv, k_later=False)
-            if norm is not None:
-                norm(None, k, group)
-            k = self._join_k_prefix(k, group)
-        elif (both := self._project_kv(group, last)) is not None:
-            k, v = both
-            del both
             if norm is not None:
                 norm(None, k, group)
             k = self._join_k_prefix(k, group)

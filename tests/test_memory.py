@@ -59,3 +59,6 @@ def test_high_working_set(setup):
     assert high >= 1.0  # at least the result itself: the measurement sees the call
     assert high <= 1.75, f"High: {high:.3f} x activation at the peak, breakdown {high_parts}"
     assert high <= 0.5 * off, f"High {high:.3f} vs Off {off:.3f}"
+    # Off: q, k, v and the result, plus bounded norm scratch (a layout that sent the attention kernel to a
+    # path materializing the scores would show here first)
+    assert off <= 4.1, f"Off: {off:.3f} x activation at the peak, breakdown {off_parts}"

@@ -1,7 +1,6 @@
 """Row projections beyond `rows()` (SPEC §1.1-1.3): rows of a token range written straight into a buffer
-(`rows_into`, used for q of every head into the output buffer and for the full-width key statistics), and the
-key and value rows of one group in one product (`rows_of_both`). Each is checked against `F.linear` of the
-same rows, in float64."""
+(`rows_into`, used for q of every head into the output buffer and for the full-width key statistics), checked
+against `F.linear` of the same rows in float64."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from qkv_core.projections import WholeThenSlice, rows_of_both
+from qkv_core.projections import WholeThenSlice
 from reference import make_linear, randn
 
 
@@ -64,25 +63,3 @@ def test_rows_into_whole_then_slice_and_default():
     out = torch.empty(2, 5, 10, dtype=torch.float64)
     plain.rows_into(out, 3, 13, token_start=20)
     torch.testing.assert_close(out, expected[:, 20:25, 3:13])
-
-
-def test_rows_of_both_equals_two_products():
-    k_linear, v_linear = make_linear(48, 64, seed=5, dtype=torch.float64), make_linear(48, 64, seed=6,
-                                                                                      dtype=torch.float64)
-    x = randn(2, 33, 48, seed=7).double()
-    k_rows, v_rows = _prepared(k_linear, x), _prepared(v_linear, x)
-    k, v = rows_of_both(k_rows, v_rows, 16, 48)
-    torch.testing.assert_close(k, F.linear(x, k_linear.weight[16:48], k_linear.bias[16:48]), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(v, F.linear(x, v_linear.weight[16:48], v_linear.bias[16:48]), rtol=1e-12, atol=1e-12)
-    assert k.shape == v.shape == (2, 33, 32) and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
-
-
-def test_rows_of_both_declines_what_it_cannot_fuse():
-    k_linear, v_linear = make_linear(16, 32, seed=8), make_linear(16, 32, seed=9)
-    x, other = randn(1, 8, 16, seed=10), randn(1, 8, 16, seed=11)
-    no_bias = make_linear(16, 32, seed=12)
-    no_bias.bias = None
-    assert rows_of_both(_prepared(k_linear, x), _prepared(v_linear, other), 0, 8) is None      # two inputs
-    assert rows_of_both(_prepared(k_linear, x), _prepared(no_bias, x), 0, 8) is None           # bias kinds
-    whole = WholeThenSlice(qc.WholeProjection(v_linear).prepare(x))
-    assert rows_of_both(_prepared(k_linear, x), whole, 0, 8) is None                          # runs whole
