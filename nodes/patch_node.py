@@ -99,7 +99,7 @@ class QKVPatch(io.ComfyNode):
                 io.Combo.Input("head_split", options=list(LEVELS), default="High",
                                tooltip="Attend long sequences (8192+ tokens) one group of heads at a time. "
                                        "Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the higher, "
-                                       "the less VRAM q/k/v and attention take (High: about a quarter of Off)."),
+                                       "the less VRAM q/k/v and attention take (High: about a third of Off)."),
                 io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
                                tooltip="auto: the best installed kernel (SageAttention 2, FlashAttention, "
                                        "else PyTorch SDPA), or ComfyUI's dispatcher if another node set an "

@@ -326,17 +326,21 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (WanSelfAttentionWorkload()
 @contextlib.contextmanager
 def scaled_runtime(scale: float):
     """Scales the runtime's absolute token-count constants by 1/scale, with the token counts, so that a
-    scaled run splits and chunks exactly as the full-size one: the Head Split floor (8192 tokens) and the
-    rows_ chunk bounds (2^23 and 2^16 elements). Restored on exit."""
-    saved = (_head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS)
+    scaled run splits and chunks exactly as the full-size one: the Head Split floor (8192 tokens), the
+    rows_ chunk bounds (2^23 and 2^16 elements) and the statistics pass's 256-token chunk multiple. Restored
+    on exit."""
+    saved = (_head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS,
+             _runtime.STATS_CHUNK_MULTIPLE)
     if scale != 1:
         _head_split.SPLIT_FLOOR_TOKENS = max(1, math.ceil(saved[0] / scale))
         _runtime.ROWS_CHUNK_ELEMENTS = max(1, int(saved[1] / scale))
         _runtime.ROWS_MIN_CHUNK_ELEMENTS = max(1, int(saved[2] / scale))
+        _runtime.STATS_CHUNK_MULTIPLE = max(1, math.ceil(saved[3] / scale))
     try:
         yield
     finally:
-        _head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS = saved
+        (_head_split.SPLIT_FLOOR_TOKENS, _runtime.ROWS_CHUNK_ELEMENTS, _runtime.ROWS_MIN_CHUNK_ELEMENTS,
+         _runtime.STATS_CHUNK_MULTIPLE) = saved
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -680,11 +684,13 @@ def scaling_note(args, cases) -> Optional[str]:
         return None
     floor = math.ceil(qkv_core.SPLIT_FLOOR_TOKENS / args.scale)
     chunk = int(_runtime.ROWS_CHUNK_ELEMENTS / args.scale)
+    multiple = math.ceil(_runtime.STATS_CHUNK_MULTIPLE / args.scale)
     sizes = ", ".join(f"{c.full_tokens:,} -> {c.tokens:,}" for c in cases)
     return (f"SCALED CPU RUN: token counts divided by {args.scale:g} ({sizes}); width, heads and head dim are the "
             f"real ones (5120 = 40 x 128). The runtime's absolute token constants are scaled alike so that it "
             f"splits and chunks as at full size: Head Split floor {qkv_core.SPLIT_FLOOR_TOKENS:,} -> {floor:,} "
-            f"tokens, rows_ chunk {_runtime.ROWS_CHUNK_ELEMENTS:,} -> {chunk:,} elements. Peaks as x|x| carry "
+            f"tokens, rows_ chunk {_runtime.ROWS_CHUNK_ELEMENTS:,} -> {chunk:,} elements, statistics chunks "
+            f"in multiples of {_runtime.STATS_CHUNK_MULTIPLE} -> {multiple} tokens. Peaks as x|x| carry "
             f"over to full size; times do not (attention grows with tokens squared).")
 
 

@@ -24,6 +24,7 @@ from .q8 import dequantize_q8_into
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
 ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
+STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
 
 _OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
             "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant")
@@ -282,7 +283,8 @@ class _Call:
         groups put it."""
         width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
         total = sum(s.tokens for s in sources)
-        step = -(-max(256, -(-3 * total // group_count_)) // 256) * 256  # whole tiles of 256 rows
+        multiple = STATS_CHUNK_MULTIPLE
+        step = -(-max(multiple, -(-3 * total // group_count_)) // multiple) * multiple
         buffer, offset = None, 0
         for source in sources:
             for a in range(0, source.tokens, step):
