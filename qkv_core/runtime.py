@@ -276,7 +276,7 @@ class _Call:
             stats.append(acc.div_(total_heads * d).unsqueeze(-1))
         return stats[0], stats[1]
 
-    def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, group_count_: int) -> None:
+    def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, groups: int) -> None:
         """acc (B, N) float32 += the squares of every head of `which`, projected at full width a chunk of
         tokens at a time: one wide product per chunk instead of one narrow product per group. A chunk holds
         as many elements as one group's k, v and attention result together, so the peak stays where the
@@ -284,7 +284,7 @@ class _Call:
         width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
         total = sum(s.tokens for s in sources)
         multiple = STATS_CHUNK_MULTIPLE
-        step = -(-max(multiple, -(-3 * total // group_count_)) // multiple) * multiple
+        step = -(-max(multiple, -(-3 * total // groups)) // multiple) * multiple
         buffer, offset = None, 0
         for source in sources:
             for a in range(0, source.tokens, step):
@@ -332,7 +332,7 @@ class _Call:
         o, d = self.o, self.head_dim
         x0 = self.sources[0].x
         self._device, self._dtype = x0.device, x0.dtype
-        dtype = self._dtype
+        dtype = x0.dtype
         del x0
         groups = self._plan()
         staged = self.staged
@@ -413,10 +413,6 @@ class _Call:
                                        release=last and not (s.shared_kv and k_later)),
                       self.kv_sources, self.kv_tokens, hk, d)
             k = None
-        return k, self._finish_v(v, group)
-
-    def _finish_v(self, v: torch.Tensor, group: HeadGroup) -> torch.Tensor:
-        d, hk = self.head_dim, len(group.kv)
         if self.o.norm_v is not None:
             self.o.norm_v(v, group)
         prefix_tokens, write = self._prefix_writer("v", group.kv)
@@ -426,7 +422,7 @@ class _Call:
             joined[:, prefix_tokens:] = v
             v = joined
             del joined
-        return v
+        return k, v
 
     def _project_k(self, group: HeadGroup, last: bool, v_later: bool) -> torch.Tensor:
         """k of a group (not normalized); `v_later`: v of this group is projected after k."""
