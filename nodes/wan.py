@@ -370,9 +370,10 @@ def bounded_block_forward(block, config):
 def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
     x = x.contiguous()
     mod = _Modulation(block, e, x)
-    step = chunk_tokens(x.shape[1], x.shape[0] * x.shape[2], max(1, x.numel() // 8))
+    batch, tokens, width = x.shape
+    step = chunk_tokens(tokens, batch * width, max(1, x.numel() // 8))
     residual = self_attention_phase(block, x, mod, freqs, config, transformer_options, step)
-    cross_step = even_chunk_tokens(x.shape[1], x.shape[0] * x.shape[2], max(1, x.numel() // CROSS_CHUNK_FRACTION))
+    cross_step = even_chunk_tokens(tokens, batch * width, max(1, x.numel() // CROSS_CHUNK_FRACTION))
     cross_attention_phase(block, residual, context, context_img_len, config, transformer_options, cross_step)
     ffn_phase_(block, residual, mod)
     return residual

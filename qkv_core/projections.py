@@ -109,19 +109,20 @@ class WholeThenSlice(PreparedProjection):
     def __init__(self, prepared: PreparedProjection):
         self._prepared, self._whole = prepared, None
 
-    def rows(self, start: int, stop: int) -> torch.Tensor:
-        if self._whole is None:
-            self._whole = self._prepared.full()
-            self._prepared.release()
-        return self._whole[..., start:stop].clone()
-
     by_tokens = True
 
-    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+    def _computed(self) -> torch.Tensor:
         if self._whole is None:
             self._whole = self._prepared.full()
             self._prepared.release()
-        whole = self._whole if self._whole.dim() == 3 else self._whole.unsqueeze(0)
+        return self._whole
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self._computed()[..., start:stop].clone()
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        whole = self._computed()
+        whole = whole if whole.dim() == 3 else whole.unsqueeze(0)
         out.copy_(whole[:, token_start:token_start + out.shape[1], start:stop])
 
     def full(self) -> torch.Tensor:

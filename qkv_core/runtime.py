@@ -242,7 +242,8 @@ class _Call:
     # --- norm statistics -------------------------------------------------------------------------------
     def _mean_squares(self, groups, q_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token mean of squares over all heads of q and of k, float32 `(B, N, 1)`: from the model's
-        `norm_stats(project)`, else by projecting group by group. With `q_out`, q is projected into it on
+        `norm_stats(project)`, else by projecting at full width a chunk of tokens at a time (group by group
+        where a projection cannot take token ranges cheaply). With `q_out`, q is projected into it on
         the way (the split path keeps q there), so only k is projected twice."""
         d = self.head_dim
 
