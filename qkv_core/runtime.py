@@ -27,7 +27,7 @@ ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
 
 _OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
-            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant")
+            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant", "keep_keys")
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
@@ -100,6 +100,11 @@ class _Source:
         if release:
             self.prepared.pop(name).release()
 
+    def release_projection(self, name: str) -> None:
+        prepared = self.prepared.pop(name, None)
+        if prepared is not None:
+            prepared.release()
+
     def by_tokens(self, name: str) -> bool:
         return self.prepared[name].by_tokens
 
@@ -170,6 +175,14 @@ class _Call:
                              "attention_fn (an attention_fn applies its own scale)")
         if o.norm_stats is not None and not o.norm_spans_heads:
             raise ValueError("norm_stats is only used with norm_spans_heads=True: pass both, or neither")
+        if o.keep_keys is not None:
+            if isinstance(o.keep_keys, bool) or not isinstance(o.keep_keys, (int, float)) or \
+                    not 0 <= o.keep_keys <= 1:
+                raise ValueError(f"keep_keys is the fraction (0 to 1) of the keys the statistics pass may keep, "
+                                 f"not {o.keep_keys!r}")
+            if not o.norm_spans_heads:
+                raise ValueError("keep_keys only applies to the statistics pass of a norm that spans heads: pass "
+                                 "norm_spans_heads=True, or drop keep_keys")
         if o.attention_fn is None and any("extra" in s.proj for s in self.sources):
             raise ValueError("a fourth projection (extra_proj) is only handed to attention_fn: pass attention_fn, "
                              "or drop the fourth projection")
@@ -244,7 +257,9 @@ class _Call:
         """Per-token mean of squares over all heads of q and of k, float32 `(B, N, 1)`: from the model's
         `norm_stats(project)`, else by projecting at full width a chunk of tokens at a time (group by group
         where a projection cannot take token ranges cheaply). With `q_out`, q is projected into it on
-        the way (the split path keeps q there), so only k is projected twice."""
+        the way (the split path keeps q there), so only k is projected twice, except for the first groups
+        that `keep_keys` allows: their k is projected by the group's rows here and kept (`self.kept_keys`)
+        for the group, so each key is projected once for them."""
         d = self.head_dim
 
         def project(which: str, head_range: range) -> torch.Tensor:
@@ -265,27 +280,44 @@ class _Call:
                                                   ("k", self.kv_tokens, self.kv_heads, "kv")):
             acc = torch.zeros((self.batch, tokens), dtype=torch.float32, device=self._device)
             sources = self.q_sources if which == "q" else self.kv_sources
+            kept = self._kept_key_groups(groups) if which == "k" and q_out is not None else 0
             if which == "q" and q_out is not None:
                 self._project_q_into(q_out, groups, acc)
             elif all(s.by_tokens(which) for s in sources):
-                self._sum_squares_by_tokens(which, sources, acc, len(groups))
+                for group in groups[:kept]:  # the group's own rows, as it would project them, kept for it
+                    key = self._project_k(group, last=False, v_later=True)
+                    _sum_squares(key, acc)
+                    self.kept_keys[group.kv.start] = key
+                    del key
+                column_start = groups[kept - 1].kv.stop * d if kept else 0
+                if kept < len(groups):
+                    self._sum_squares_by_tokens(which, sources, acc, len(groups), column_start, kept > 0)
             else:
-                for group in groups:
+                for index, group in enumerate(groups):
                     part = project(which, getattr(group, attr)).unflatten(-1, (-1, d))
                     _sum_squares(part, acc)
+                    if index < kept:
+                        self.kept_keys[group.kv.start] = part
                     del part
+            if kept == len(groups):  # every key is kept: the k projection is done with
+                for source in sources:
+                    source.release_projection("k")
             stats.append(acc.div_(total_heads * d).unsqueeze(-1))
         return stats[0], stats[1]
 
-    def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, groups: int) -> None:
-        """acc (B, N) float32 += the squares of every head of `which`, projected at full width a chunk of
-        tokens at a time: one wide product per chunk instead of one narrow product per group. A chunk holds
-        as many elements as one group's k, v and attention result together, so the peak stays where the
-        groups put it."""
-        width = (self.heads if which == "q" else self.kv_heads) * self.head_dim
+    def _sum_squares_by_tokens(self, which: str, sources, acc: torch.Tensor, groups: int, column_start: int = 0,
+                               beside_kept: bool = False) -> None:
+        """acc (B, N) float32 += the squares of the features `[column_start:]` of `which` (every head from
+        there on), projected at that width a chunk of tokens at a time: one wide product per chunk instead of
+        one narrow product per group. A chunk holds as many elements as one group's k, v and attention result
+        together (as its v and result only, `beside_kept` keys of the first groups), so the peak stays where
+        the groups put it."""
+        full = (self.heads if which == "q" else self.kv_heads) * self.head_dim
+        width = full - column_start
         total = sum(s.tokens for s in sources)
         multiple = STATS_CHUNK_MULTIPLE
-        step = -(-max(multiple, -(-3 * total // groups)) // multiple) * multiple
+        units = 2 if beside_kept else 3
+        step = -(-max(multiple, -(-units * total * full // (groups * width))) // multiple) * multiple
         buffer, offset = None, 0
         for source in sources:
             for a in range(0, source.tokens, step):
@@ -294,11 +326,18 @@ class _Call:
                     buffer = torch.empty((self.batch, min(step, total), width), dtype=self._dtype,
                                          device=self._device)
                 part = buffer[:, :n]
-                source.rows_into(which, part, 0, width, a)
+                source.rows_into(which, part, column_start, full, a)
                 _sum_squares(part.unflatten(-1, (-1, self.head_dim)), acc[:, offset + a:offset + a + n])
                 del part
             offset += source.tokens
         del buffer
+
+    def _kept_key_groups(self, groups) -> int:
+        """How many of the first groups keep the k of the statistics pass: `keep_keys` of them (rounded
+        down), where each group's k is projected on its own (not one module for k and v)."""
+        if not self.o.keep_keys or any(s.shared_kv for s in self.kv_sources):
+            return 0
+        return int(self.o.keep_keys * len(groups) + 1e-9)
 
     # --- prefix ----------------------------------------------------------------------------------------
     def _prefix_writer(self, which: str, kv_range: range):
@@ -336,6 +375,7 @@ class _Call:
         dtype = x0.dtype
         del x0
         groups = self._plan()
+        self.kept_keys: dict[int, torch.Tensor] = {}   # k of the first groups, from the statistics pass
         staged = self.staged
         if isinstance(o.kv_prefix, KVPrefix) and o.kv_prefix.is_native and staged is None:
             for source in self.sources:
@@ -374,6 +414,7 @@ class _Call:
                 del result
             return out
         finally:
+            self.kept_keys.clear()
             for source in self.sources:
                 source.release()
 
@@ -465,7 +506,9 @@ class _Call:
                 norm(None, k, group)
             k = self._join_k_prefix(k, group)
         else:
-            k = self._project_k(group, last, v_later=True)
+            k = self.kept_keys.pop(group.kv.start, None)
+            if k is None:
+                k = self._project_k(group, last, v_later=True)
             if norm is not None:
                 norm(None, k, group)
             k = self._join_k_prefix(k, group)

@@ -118,6 +118,49 @@ def test_handoff_joint_and_norm_stats():
     assert out.shape == (2, 4100, H, D)
 
 
+@pytest.mark.parametrize("fail", [False, True], ids=["returned", "raised"])
+def test_kept_keys_are_freed(fail):
+    """Keys kept by the statistics pass (keep_keys) live until their group's attention: none outlives the
+    call, whether it returns or a hook raises midway."""
+    layers = make_qkv(FEAT, H, D, seed=41)
+    norm = SpanningNormRope(H, H, D, seed=3)
+    watch, products = Watch(), []
+    k_rows = qc.LinearRows(layers[1])
+
+    class WatchedK(qc.RowProjection):
+        out_features = k_rows.out_features
+
+        def prepare(self, x):
+            prepared = k_rows.prepare(x)
+            rows = prepared.rows
+
+            def watched_rows(start, stop):
+                out = rows(start, stop)
+                products.append(out)  # moved to the watch below (no strong reference kept here)
+                watch.add(products.pop())
+                return out
+            prepared.rows = watched_rows
+            return prepared
+
+    def norm_rope(q, k, group):
+        if fail and k is not None and group.kv.start == 1:  # groups 2 and 3 still hold their kept keys
+            raise RuntimeError("stop here")
+        norm(q, k, group)
+
+    x = randn(1, 8192, FEAT, seed=42)
+    if fail:
+        with pytest.raises(RuntimeError, match="stop here"):
+            qc.qkv_attention([x], layers[0], WatchedK(), layers[2], H, D, norm_rope, norm_spans_heads=True,
+                             head_split_level=3, keep_keys=0.5)
+    else:
+        out = qc.qkv_attention([x], layers[0], WatchedK(), layers[2], H, D, norm_rope, norm_spans_heads=True,
+                               head_split_level=3, keep_keys=0.5)
+        assert out.shape == (1, 8192, H, D)
+    # one product per group: half kept from the statistics pass, half projected (none after the raise)
+    assert len(watch.refs) == (H // 2 if fail else H)
+    assert watch.alive() == []
+
+
 @pytest.mark.parametrize("ctx_tokens", [77, 8192])
 def test_handoff_cross(ctx_tokens):
     qp, kp, vp = make_qkv(FEAT, H, D, seed=13)
@@ -246,6 +289,12 @@ def test_softmax_scale_rules(layers):
 def test_option_combinations(layers):
     with pytest.raises(ValueError, match="norm_stats is only used with norm_spans_heads=True: pass both, or neither"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, norm_stats=lambda project: None)
+    for bad in (1.5, -0.1, True, "all"):
+        with pytest.raises(ValueError, match="keep_keys is the fraction"):
+            qc.qkv_attention([x16(1, 8)], *layers, 4, 32, norm_spans_heads=True, keep_keys=bad)
+    with pytest.raises(ValueError, match="keep_keys only applies to the statistics pass of a norm that spans heads: "
+                                         "pass norm_spans_heads=True, or drop keep_keys"):
+        qc.qkv_attention([x16(1, 8)], *layers, 4, 32, keep_keys=0.5)
     with pytest.raises(ValueError, match="fused_quant needs the staged quantizers, which attention_fn turns off"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, fused_quant=lambda *a: None,
                          attention_fn=lambda qkv, g: qkv[0])

@@ -678,3 +678,72 @@ def test_rows_chunks_and_bounds():
 def test_entry_points_are_compiler_disabled():
     for fn in (qc.qkv_attention, qc.joint_qkv_attention, qc.cross_qkv_attention, qc.kv_first_attention):
         assert getattr(fn, "_torchdynamo_disable", False) is True
+
+
+# --- keep_keys: the statistics pass keeps the k of the first groups -----------------------------------------
+class CountingRows(qc.RowProjection):
+    """A Linear by rows that counts the output elements it computes (`computed`). `by_tokens=False`: the
+    runtime takes its statistics group by group (the default `rows_into` would compute every token)."""
+
+    def __init__(self, linear: torch.nn.Linear, by_tokens: bool = True):
+        self.linear, self.out_features, self.by_tokens, self.computed = linear, linear.out_features, by_tokens, 0
+
+    def prepare(self, x):
+        counter, weight, bias = self, self.linear.weight, self.linear.bias
+
+        class Prepared(qc.WeightRows):
+            by_tokens = self.by_tokens
+
+            def rows(self, start, stop):
+                counter.computed += self.x[..., :1].numel() * (stop - start)
+                return super().rows(start, stop)
+
+            def rows_into(self, out, start, stop, token_start=0):
+                if not counter.by_tokens:
+                    return qc.PreparedProjection.rows_into(self, out, start, stop, token_start)
+                counter.computed += out[..., :1].numel() * (stop - start)
+                return super().rows_into(out, start, stop, token_start)
+        return Prepared(x, weight, bias)
+
+
+@pytest.mark.parametrize("by_tokens", [True, False], ids=["by_tokens", "by_groups"])
+@pytest.mark.parametrize("kvh", [8, 4])
+def test_keep_keys(by_tokens, kvh):
+    """A kept key is the group's own product: the output equals the second-projection path (float32 round-off
+    of the statistics, summed in another order), and k is computed (1 + unkept share) times, not twice."""
+    qp, kp, vp = make_qkv(FEAT, H, D, kvh, seed=31)
+    norm = SpanningNormRope(H, kvh, D, seed=9)
+    x = randn(1, 8192, FEAT, seed=32)
+    groups = qc.group_count(kvh, 8192, 3)
+    ref = reference([(x, qp)], [(x, kp, vp)], H, D, kvh, norm=norm, rows=sample_rows(8192))
+    outs, computed = {}, {}
+    for keep in (None, 0.5, 1.0):
+        counting = CountingRows(kp, by_tokens)
+        outs[keep] = qc.qkv_attention([x], qp, counting, vp, H, D, norm, kv_heads=kvh, norm_spans_heads=True,
+                                      head_split_level=3, keep_keys=keep)
+        computed[keep] = counting.computed / (8192 * kvh * D)
+        assert max_rel_err(outs[keep][:, sample_rows(8192)], ref) < TOL_REF
+        assert max_rel_err(outs[keep], outs[None]) < TOL_SPLIT
+    kept_half = int(0.5 * groups) / groups
+    if by_tokens:
+        assert computed == {None: 2.0, 0.5: pytest.approx(2.0 - kept_half), 1.0: 1.0}
+    else:  # group by group, each group's rows computed for every token
+        assert computed[None] == 2.0 and computed[0.5] == pytest.approx(2.0 - kept_half) and computed[1.0] == 1.0
+
+
+def test_keep_keys_with_prefix_and_shared_module():
+    """Kept keys are normalized and joined with a prefix like projected ones; one module for k and v keeps
+    nothing (k comes from the shared product)."""
+    qp, kp, vp = make_qkv(FEAT, H, D, 4, seed=33)
+    norm = SpanningNormRope(H, 4, D, seed=10)
+    x = randn(1, 8192, FEAT, seed=34)
+    prefix, ref_prefix = make_prefix("16bit", 1, 4)
+    rows = sample_rows(8192)
+    ref = reference([(x, qp)], [(x, kp, vp)], H, D, 4, norm=norm, kv_prefix=ref_prefix, rows=rows)
+    out = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, head_split_level=3,
+                           kv_prefix=prefix, keep_keys=0.5)
+    assert max_rel_err(out[:, rows], ref) < TOL_REF
+    ref_shared = reference([(x, qp)], [(x, kp, kp)], H, D, 4, norm=norm, rows=rows)
+    out = qc.qkv_attention([x], qp, kp, kp, H, D, norm, kv_heads=4, norm_spans_heads=True, head_split_level=3,
+                           keep_keys=1.0)
+    assert max_rel_err(out[:, rows], ref_shared) < TOL_REF
