@@ -747,3 +747,20 @@ def test_keep_keys_with_prefix_and_shared_module():
     out = qc.qkv_attention([x], qp, kp, kp, H, D, norm, kv_heads=4, norm_spans_heads=True, head_split_level=3,
                            keep_keys=1.0)
     assert max_rel_err(out[:, rows], ref_shared) < TOL_REF
+
+
+def test_keep_keys_joint_and_cross():
+    """Kept keys of joined streams (each stream's tokens at its offset) and of a long cross-attention context
+    equal the second-projection path."""
+    s1, s2 = make_qkv(FEAT, H, D, 4, seed=35), make_qkv(FEAT, H, D, 4, seed=36)
+    norm = SpanningNormRope(H, 4, D, seed=11)
+    x1, x2 = randn(2, 4040, FEAT, seed=37), randn(2, 60, FEAT, seed=38)
+    outs = [qc.joint_qkv_attention([([x1], s1), ([x2], s2)], H, D, norm, kv_heads=4, norm_spans_heads=True,
+                                   head_split_level=3, keep_keys=keep) for keep in (None, 0.5)]
+    assert max_rel_err(outs[1], outs[0]) < TOL_SPLIT
+    qp, kp, vp = make_qkv(FEAT, H, D, 8, seed=39)
+    norm = SpanningNormRope(H, 8, D, seed=12)
+    x, context = randn(1, 8200, FEAT, seed=40), randn(1, 8300, FEAT, seed=41)
+    outs = [qc.cross_qkv_attention([x], [context], qp, kp, vp, H, D, norm, norm_spans_heads=True,
+                                   head_split_level=3, keep_keys=keep) for keep in (None, 0.25)]
+    assert max_rel_err(outs[1], outs[0]) < TOL_SPLIT
