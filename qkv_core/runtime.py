@@ -90,17 +90,17 @@ class _Source:
         prepared = self.prepared[name]
         out = prepared.rows(start, stop)
         if release:
-            prepared.release()
-            del self.prepared[name]
+            self.release_projection(name)
         return out
 
     def rows_into(self, name: str, out: torch.Tensor, start: int, stop: int, token_start: int = 0,
                   release: bool = False) -> None:
         self.prepared[name].rows_into(out, start, stop, token_start)
         if release:
-            self.prepared.pop(name).release()
+            self.release_projection(name)
 
     def release_projection(self, name: str) -> None:
+        """Drop one projection (its cast weight and its hold on the input) once nothing needs it."""
         prepared = self.prepared.pop(name, None)
         if prepared is not None:
             prepared.release()
