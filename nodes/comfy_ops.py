@@ -61,7 +61,8 @@ def not_row_sliceable(linear) -> Optional[str]:
     if getattr(linear, "layout_type", None) is not None:
         return f"quantized layout {linear.layout_type}"
     if forward in _CANONICAL_FORWARDS and cls.forward_comfy_cast_weights in _CANONICAL_CAST_FORWARDS:
-        if weight.dtype.is_floating_point and weight.element_size() >= 2:
+        # stored in 16/32 bits, or fp8 cast per call (ComfyUI's manual cast): the cast weight's rows are exact
+        if weight.dtype.is_floating_point:
             return None
         return f"{weight.dtype} weight"
     if "MixedPrecisionOps" in cls.__qualname__ and hasattr(cls, "_forward") \
@@ -75,12 +76,18 @@ def not_row_sliceable(linear) -> Optional[str]:
 
 class CastLinear:
     """A ComfyUI Linear's weight and bias cast once for `x`'s device and dtype; `release()` hands an offload
-    stream's buffers back. `linear_(t)` applies it to any input with `x`'s dtype/device."""
+    stream's buffers back. `cast(t)` applies it to any input with `x`'s dtype/device. A layer whose weight
+    cannot be used as a plain matrix (`not_row_sliceable`: QuantizedTensor, GGUF, unknown op classes) is
+    not cast: `cast(t)` runs the layer itself, as ComfyUI runs it (`weight` is None then)."""
 
     def __init__(self, linear, x: torch.Tensor):
+        self._linear, self._stream = linear, None
+        self.weight = self.bias = None
+        self.own_format = not_row_sliceable(linear)
+        if self.own_format is not None:
+            return
         if _RUN_EVERY_OP is not None:
             _RUN_EVERY_OP()  # ComfyUI's interrupt check, as its own Linear.forward does
-        self._linear, self._stream = linear, None
         if _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:
             if _CAST_OFFLOADABLE:
                 weight, bias, self._stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
@@ -94,6 +101,8 @@ class CastLinear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.own_format is not None:
+            return self._linear(t)
         return F.linear(t, self.weight, self.bias)
 
     def release(self) -> None:

@@ -6,21 +6,24 @@ when another node has set an `optimized_attention_override`, so that override is
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import comfy.ldm.modules.attention as comfy_attention
 
-from ..qkv_core import backend_names, pay_attention
+from ..qkv_core import backend_names, head_split, pay_attention
+from ..qkv_core.notices import notice_once
 
 AUTO, COMFY = "auto", "comfy"
 
 
 class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
-    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block."""
+    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
+    tokens that are split (None: the runtime's default; the self-check forces the split with 0)."""
     level: int
     backend: str
     block: bool
+    split_floor: Optional[int] = None
 
 
 def backend_choices() -> list[str]:
@@ -32,31 +35,54 @@ def uses_comfy_dispatch(config, transformer_options) -> bool:
                                        "optimized_attention_override" in transformer_options)
 
 
-def comfy_attend(q, k, v, transformer_options):
-    """ComfyUI's `optimized_attention` on head-group tensors `(B, N, h, D)` -> `(B, N, h, D)`."""
+def comfy_attend(q, k, v, transformer_options, **dispatch_kwargs):
+    """ComfyUI's `optimized_attention` on head-group tensors `(B, N, h, D)` -> `(B, N, h, D)`.
+    `dispatch_kwargs` go to the dispatcher as the model passes them (`preferred_attention`,
+    `low_precision_attention`)."""
     heads = q.shape[2]
     if k.shape[2] != heads:  # grouped-query: ComfyUI's dispatcher of this version wants equal heads
         k = k.repeat_interleave(heads // k.shape[2], dim=2)
         v = v.repeat_interleave(heads // v.shape[2], dim=2)
     out = comfy_attention.optimized_attention(q.reshape(*q.shape[:2], -1), k.reshape(*k.shape[:2], -1),
                                               v.reshape(*v.shape[:2], -1), heads=heads,
-                                              transformer_options=transformer_options)
+                                              transformer_options=transformer_options, **dispatch_kwargs)
     return out.unflatten(-1, (heads, -1))
 
 
-def attention_kwargs(config, transformer_options) -> dict:
-    """Keyword options for a `qkv_core` call: `attention_fn` for ComfyUI's dispatcher, else the backend."""
+def attention_kwargs(config, transformer_options, module=None) -> dict:
+    """Keyword options for a `qkv_core` call: `attention_fn` for ComfyUI's dispatcher, else the backend, and
+    the split floor of `config`. `module`: the model's attention module, whose per-layer attention choice
+    (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would pass it."""
+    floor = {} if config.split_floor is None else {"split_floor_tokens": config.split_floor}
     if uses_comfy_dispatch(config, transformer_options):
-        def through_comfy(qkv, group):
+        preferred = getattr(module, "comfy_attention", None)
+        dispatch = {} if preferred is None else {"preferred_attention": preferred}
+
+        def through_comfy(qkv, group, **call_kwargs):
             q, k, v = qkv[:3]
             qkv.clear()
-            return comfy_attend(q, k, v, transformer_options)
-        return {"attention_fn": through_comfy}
-    return {} if config.backend == AUTO else {"force_attention": config.backend}
+            return comfy_attend(q, k, v, transformer_options, **dispatch, **call_kwargs)
+        through_comfy.comfy_dispatch = True
+        return {"attention_fn": through_comfy, **floor}
+    if "optimized_attention_override" in transformer_options:
+        notice_once(f"override:{config.backend}",
+                    f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override "
+                    f"another node set is not used (pick auto or comfy to keep it)")
+    return ({} if config.backend == AUTO else {"force_attention": config.backend}) | floor
 
 
-def attend_group(q, k, v, kwargs: dict, group):
-    """One attention with the choice `attention_kwargs` made, for adapters that combine several."""
-    if "attention_fn" in kwargs:
-        return kwargs["attention_fn"]([q, k, v], group)
-    return pay_attention(q, k, v, force_attention=kwargs.get("force_attention"))
+def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
+    """One attention with the choice `attention_kwargs` made, for adapters that combine several.
+    `full_precision`: a call the model keeps off 8-bit kernels (ComfyUI's `low_precision_attention=False`):
+    ComfyUI's dispatcher is told so, and the pack's own backends use SDPA."""
+    attention_fn = kwargs.get("attention_fn")
+    if attention_fn is not None:
+        if full_precision and getattr(attention_fn, "comfy_dispatch", False):
+            return attention_fn([q, k, v], group, low_precision_attention=False)
+        return attention_fn([q, k, v], group)
+    force = "sdpa" if full_precision else kwargs.get("force_attention")
+    return pay_attention(q, k, v, force_attention=force)
+
+
+def split_floor(config) -> int:
+    return head_split.SPLIT_FLOOR_TOKENS if config.split_floor is None else config.split_floor

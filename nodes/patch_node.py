@@ -6,9 +6,9 @@ import torch
 import comfy.patcher_extension
 from comfy_api.latest import io
 
-from ..qkv_core import LEVEL_NAMES, drain_notices
-from . import wan
-from .dispatch import AUTO, QKVConfig, backend_choices
+from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices
+from . import compat, wan
+from .dispatch import AUTO, QKVConfig, backend_choices, split_floor
 from .report import PatchReport, logger
 
 ADAPTERS = (wan,)
@@ -16,18 +16,37 @@ LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, H
 WRAPPER_KEY = "comfyui_qkv"
 
 # How much of ComfyUI's activation estimate (`memory_usage_factor`) a patched model still needs, by what
-# the patch bounds. Measured peaks of a Wan 14B block on an H200 (docs/benchmarks.md), rounded up to stay
-# conservative: the bounded block at Low/Medium/High peaks at 0.32-0.37x stock (0.5 kept), at Off 0.67x
-# (0.85 kept). Attention patched alone leaves the stock FFN's peak, the block's largest (1.0x: the estimate
-# is left as it is).
+# the run will really do. Measured peaks of a Wan 14B block on an H200 (docs/benchmarks.md), rounded up to
+# stay conservative: the bounded block with the head split running peaks at 0.32-0.37x stock (0.5 kept);
+# unsplit (level Off, a sequence under the split floor, or projections that cannot be computed by rows such
+# as fp8-scaled or GGUF weights) at 0.5-0.68x (0.85 kept). Attention patched alone leaves the stock FFN's
+# peak, the block's largest, and anything not verified yet in this process runs at ComfyUI's own estimate.
 MEMORY_FACTOR_BLOCK = 0.5
 MEMORY_FACTOR_BLOCK_UNSPLIT = 0.85
 
 
-def memory_factor(config: QKVConfig) -> float:
+def memory_factor(config: QKVConfig, adapter=None, diffusion_model=None, latent_shape=None,
+                  transformer_options=None) -> tuple[float, str]:
+    """The share of ComfyUI's activation estimate a run of the patched model needs, and why. Without the
+    model and the latent: the factor the settings allow at best."""
     if not config.block:
-        return 1.0
-    return MEMORY_FACTOR_BLOCK if config.level > 0 else MEMORY_FACTOR_BLOCK_UNSPLIT
+        return 1.0, "attention patched alone: the stock feed-forward's peak stays"
+    if adapter is None:
+        return (MEMORY_FACTOR_BLOCK if config.level > 0 else MEMORY_FACTOR_BLOCK_UNSPLIT), "by the settings"
+    if not compat.all_checked(adapter.stock_functions(diffusion_model)):
+        return 1.0, "ComfyUI's estimate until the pack's forwards have passed their self-check in this process"
+    hooks = sorted(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
+    if hooks:
+        return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
+    if config.level == 0:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, "head split Off"
+    reason = adapter.splits_projections(diffusion_model)
+    if reason is not None:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({reason})"
+    tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
+    if tokens is None or tokens < split_floor(config):
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({tokens} tokens, under {split_floor(config)})"
+    return MEMORY_FACTOR_BLOCK, "head split"
 
 
 def find_adapter(diffusion_model):
@@ -37,16 +56,22 @@ def find_adapter(diffusion_model):
     return None
 
 
-def make_run_wrapper(factor: float):
+def make_run_wrapper(config: QKVConfig, adapter):
     """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
-    is scaled by `factor` (its memory planning happens inside the run, before the weights are loaded), and
-    the run's fallback notices and peak VRAM are reported at its end (also after an error or a cancel)."""
+    is scaled by what `memory_factor` finds for this run (its memory planning happens inside the run,
+    before the weights are loaded); each fallback is logged once a run, and the peak VRAM at the end (also
+    after an error or a cancel)."""
 
     def outer_sample(executor, *args, **kwargs):
-        base_model = executor.class_obj.model_patcher.model
+        patcher = executor.class_obj.model_patcher
+        base_model = patcher.model
+        noise = args[0] if args else kwargs.get("noise")
+        factor, why = memory_factor(config, adapter, base_model.diffusion_model, getattr(noise, "shape", None),
+                                    patcher.model_options.get("transformer_options", {}))
         stock_factor = base_model.memory_usage_factor
         base_model.memory_usage_factor = stock_factor * factor
-        drain_notices()
+        logger.info("[QKV] run: memory estimate x%.2f (%s)", factor, why)
+        reset_notices()   # each fallback reason is logged once in every run
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -54,12 +79,21 @@ def make_run_wrapper(factor: float):
             return executor(*args, **kwargs)
         finally:
             base_model.memory_usage_factor = stock_factor
-            for line in drain_notices():
-                logger.info("[QKV] run: %s", line)
+            drain_notices()   # logged as they happened; kept until the run report takes them
             if cuda:
                 logger.info("[QKV] run: peak VRAM allocated %.2f GiB", torch.cuda.max_memory_allocated() / 2**30)
 
     return outer_sample
+
+
+def remove_own_patches(patcher) -> int:
+    """Drop this pack's object patches and run wrapper from `patcher` (a clone): a node applied again
+    replaces its own patch instead of stacking on it. Returns how many object patches were dropped."""
+    own = [key for key, value in patcher.object_patches.items() if compat.is_ours(value)]
+    for key in own:
+        del patcher.object_patches[key]
+    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    return len(own)
 
 
 def apply_patch(model, level: str, backend: str, block_bounds: bool):
@@ -72,6 +106,8 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool):
     config = QKVConfig(LEVELS.index(level), backend, bool(block_bounds))
     patched = model.clone()
     report = PatchReport()
+    if remove_own_patches(patched):
+        report.note("this model was already patched by this node: that patch is replaced")
     diffusion_model = getattr(patched.model, "diffusion_model", None)
     adapter = find_adapter(diffusion_model) if diffusion_model is not None else None
     if adapter is None:
@@ -81,7 +117,7 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool):
         adapter.patch(patched, config, report)
         if report.any_patched:
             patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
-                                         make_run_wrapper(memory_factor(config)))
+                                         make_run_wrapper(config, adapter))
     report.log()
     return patched, report
 

@@ -1,15 +1,14 @@
 """Wan 2.x adapter (`comfy/ldm/wan`): self-attention through `qkv_attention`, cross-attention through
 `cross_qkv_attention`, and (the block switch) a bounded `WanAttentionBlock.forward`.
 
-What is patched is decided by probing each module: its attributes and shapes, and a fingerprint of the
-forward it replaces (the source of the versions this adapter was checked against). Anything else runs as
-before, with a reason in the patch report. Patches are object patches on a cloned ModelPatcher only.
+What is patched is decided by probing each module's structure (attributes, layer shapes). Whether the pack's
+forward still computes what ComfyUI's does is decided by behaviour, not by ComfyUI's source text: every
+installed forward is guarded by `compat.guarded` (a self-check against ComfyUI's own forward at the first
+call of each kind, and ComfyUI's forward for calls the pack does not handle). Patches are object patches on
+a cloned ModelPatcher only.
 """
 from __future__ import annotations
 
-import hashlib
-import inspect
-import re
 from typing import Optional
 
 import torch
@@ -17,41 +16,13 @@ import torch
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
-from ..qkv_core import SPLIT_FLOOR_TOKENS, WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
+from ..qkv_core import WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
+from . import compat
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, module_rows, norm_weight,
-                        rms_norm_rows, token_ranges)
-from .dispatch import attend_group, attention_kwargs
+                        not_row_sliceable, rms_norm_rows, token_ranges)
+from .dispatch import attend_group, attention_kwargs, split_floor
 
 FAMILY = "Wan"
-
-# Fingerprints (sha1 of the whitespace-normalized source) of the forwards this adapter replaces, in the
-# ComfyUI versions whose math it was checked against (v0.3.64, v0.8.0). A forward with another fingerprint
-# is left alone: a ComfyUI update that changes it degrades to "not patched", never to different numbers.
-KNOWN_FORWARDS = {
-    "WanSelfAttention": {"a0805ddcc8f5a62d"},                         # v0.3.64, v0.8.0
-    "WanT2VCrossAttention": {"29baffc50fa33991"},                     # v0.3.64, v0.8.0
-    "WanI2VCrossAttention": {"5c23a360bbb42e0c"},                     # v0.3.64, v0.8.0
-    "WanAttentionBlock": {"74a167b2b2ca6d6d", "1b76e80a73018730"},    # v0.3.64, v0.8.0 (+ x.contiguous())
-    "VaceWanAttentionBlock": {"264bc4b554e3bf6c"},                    # v0.3.64, v0.8.0
-}
-
-
-def source_fingerprint(fn) -> Optional[str]:
-    try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    source = re.sub(r"#[^\n]*", "", source)          # comments do not change the math
-    source = re.sub(r'r?"""(.|\n)*?"""', "", source)  # nor docstrings
-    return hashlib.sha1(re.sub(r"\s+", "", source).encode()).hexdigest()[:16]
-
-
-def _forward_reason(module, kind: str) -> Optional[str]:
-    fingerprint = source_fingerprint(type(module).forward)
-    if fingerprint not in KNOWN_FORWARDS.get(kind, ()):
-        return (f"{type(module).__name__}.forward is not a version this pack was checked against "
-                f"(fingerprint {fingerprint})")
-    return None
 
 
 def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
@@ -76,7 +47,8 @@ def _norm_ok(module, name: str, dim: int) -> Optional[str]:
 
 
 def probe_attention(module, kind: str) -> Optional[str]:
-    """None when `module` (WanSelfAttention, WanT2VCrossAttention or WanI2VCrossAttention) can be patched."""
+    """None when `module` (WanSelfAttention, WanT2VCrossAttention or WanI2VCrossAttention) has the structure
+    the pack's forwards use (whether they compute the same is the self-check's job)."""
     heads, head_dim = getattr(module, "num_heads", None), getattr(module, "head_dim", None)
     if not isinstance(heads, int) or not isinstance(head_dim, int):
         return "no num_heads/head_dim"
@@ -95,11 +67,11 @@ def probe_attention(module, kind: str) -> Optional[str]:
         reason = _norm_ok(module, name, dim)
         if reason:
             return reason
-    return _forward_reason(module, kind)
+    return None
 
 
 def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
-    """None when the whole block can run bounded: its structure is Wan's, its forward a known version."""
+    """None when the whole block has the structure the bounded block uses."""
     self_attn, cross_attn = getattr(block, "self_attn", None), getattr(block, "cross_attn", None)
     if self_attn is None or cross_attn is None:
         return "no self_attn/cross_attn"
@@ -121,7 +93,7 @@ def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
             return f"no {name}"
     if kind == "VaceWanAttentionBlock" and not hasattr(block, "after_proj"):
         return "no after_proj"
-    return _forward_reason(block, kind)
+    return None
 
 
 # --- attention ------------------------------------------------------------------------------------------
@@ -220,7 +192,7 @@ def self_attention(module, x_list, freqs, config, transformer_options, keep_keys
     return qkv_attention(x_list, ComfyLinearRows(module.q), ComfyLinearRows(module.k), ComfyLinearRows(module.v),
                          module.num_heads, module.head_dim, _NormRope(module, freqs), norm_spans_heads=spans_heads,
                          keep_keys=keep_keys if spans_heads else None, head_split_level=config.level,
-                         **attention_kwargs(config, transformer_options))
+                         **attention_kwargs(config, transformer_options, module))
 
 
 class CrossAttention:
@@ -233,7 +205,7 @@ class CrossAttention:
         query = ComfyLinearRows(module.q)
         query.hold(like)
         self.out = CastLinear(module.o, like)
-        self.kwargs = choice = attention_kwargs(config, transformer_options)
+        self.kwargs = choice = attention_kwargs(config, transformer_options, module)
         if hasattr(module, "k_img"):
             context_img, context = context[:, :context_img_len], context[:, context_img_len:]
             heads, d = module.num_heads, module.head_dim
@@ -247,12 +219,14 @@ class CrossAttention:
                 qkv.clear()
                 text = attend_group(q, k, v, choice, group)
                 del k, v
+                # the model keeps the (tiny) image attention off 8-bit kernels: NaNs there
                 image = attend_group(q, k_img[:, :, group.kv.start:group.kv.stop],
-                                     v_img[:, :, group.kv.start:group.kv.stop], choice, group)
+                                     v_img[:, :, group.kv.start:group.kv.stop], choice, group, full_precision=True)
                 return text.add_(image)  # x = x + img_x, as the model sums them
-            self.kwargs = {"attention_fn": text_plus_image}
+            self.kwargs = {key: value for key, value in choice.items() if key != "force_attention"}
+            self.kwargs["attention_fn"] = text_plus_image
         self.context = context
-        if context.shape[0] * context.shape[1] < SPLIT_FLOOR_TOKENS:
+        if context.shape[0] * context.shape[1] < split_floor(config):
             # the text keys (normalized) and values, computed once: the runtime slices them per group
             self.rows = [query, _projected_once(module.k, context, module.norm_k), _projected_once(module.v, context)]
             key_norm = None
@@ -311,23 +285,6 @@ def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinea
     return flat
 
 
-def patched_self_attention_forward(module, config):
-    def forward(x, freqs, transformer_options={}):
-        return output_projection_(module.o, self_attention(module, [x], freqs, config, transformer_options,
-                                                           ATTENTION_ONLY_KEPT_KEYS))
-    return forward
-
-
-def patched_cross_attention_forward(module, config):
-    def forward(x, context, context_img_len=None, transformer_options={}, **kwargs):
-        cross = CrossAttention(module, context, context_img_len, config, transformer_options, like=x)
-        try:
-            return output_projection_(module.o, cross([x]), cast=cross.out)
-        finally:
-            cross.release()
-    return forward
-
-
 # --- the bounded block ----------------------------------------------------------------------------------
 # Token chunks of the phases after self-attention, as fractions of |x|: their transients stay under the
 # self-attention's own peak at High (cross-attention holds several chunk-sized tensors, a float32 norm scratch
@@ -369,16 +326,6 @@ class _Modulation:
         return part.index_select(1, entries)
 
 
-def bounded_block_forward(block, config):
-    """`WanAttentionBlock.forward` with every transient bounded: the modulated input is handed to the
-    attention (freed once projected), the output projection runs in place, the residual is updated in
-    place in a fresh tensor (the caller's `x` is never written), cross-attention and the FFN run by token
-    chunks. Same math, same dtypes as the model."""
-    def forward(x, e, freqs, context, context_img_len=257, transformer_options={}):
-        return run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options)
-    return forward
-
-
 def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
     x = x.contiguous()
     mod = _Modulation(block, e, x)
@@ -387,6 +334,10 @@ def run_bounded_block(block, x, e, freqs, context, context_img_len, config, tran
     residual = self_attention_phase(block, x, mod, freqs, config, transformer_options, step)
     cross_step = even_chunk_tokens(tokens, batch * width, max(1, x.numel() // CROSS_CHUNK_FRACTION))
     cross_attention_phase(block, residual, context, context_img_len, config, transformer_options, cross_step)
+    for patch in transformer_options.get("patches", {}).get("attn2_patch", ()):
+        # other nodes' hook after cross-attention (ComfyUI v0.33+ runs it here); the self-check verifies that
+        # this ComfyUI does too
+        residual = patch({"x": residual, "transformer_options": transformer_options})
     ffn_phase_(block, residual, mod)
     return residual
 
@@ -428,38 +379,196 @@ def cross_attention_phase(block, residual, context, context_img_len, config, tra
 
 
 def ffn_phase_(block, residual, mod) -> None:
-    """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place; weights cast once. The
-    GELU runs in place on the chunk's hidden activation (the only wide transient)."""
+    """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place. Plain weights are cast
+    once and the GELU runs in place on the chunk's hidden activation (the only wide transient); any other
+    weight format runs ComfyUI's own FFN on each chunk (its fused int8 activation, GGUF, ...)."""
     batch, tokens, _ = residual.shape
-    act = block.ffn[1]
-    up, down = CastLinear(block.ffn[0], residual), CastLinear(block.ffn[2], residual)
+    ffn = block.ffn
+    hidden_width = getattr(ffn[0], "out_features", None) or ffn[0].weight.shape[0]
+    ffn_step = even_chunk_tokens(tokens, batch * hidden_width, max(1, residual.numel() // FFN_CHUNK_FRACTION))
+    plain = type(ffn[1]) is torch.nn.GELU and not_row_sliceable(ffn[0]) is None and \
+        not_row_sliceable(ffn[2]) is None
+    up = CastLinear(ffn[0], residual) if plain else None
+    down = CastLinear(ffn[2], residual) if plain else None
     try:
-        ffn_step = even_chunk_tokens(tokens, batch * up.weight.shape[0],
-                                     max(1, residual.numel() // FFN_CHUNK_FRACTION))
         for a, b in token_ranges(tokens, ffn_step):
             part = residual[:, a:b]
-            hidden = up(torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b)))
-            if type(act) is torch.nn.GELU:
-                torch.ops.aten.gelu_(hidden, approximate=act.approximate)
+            modulated = torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b))
+            if plain:
+                hidden = up(modulated)
+                del modulated
+                torch.ops.aten.gelu_(hidden, approximate=ffn[1].approximate)
+                out = down(hidden)
+                del hidden
             else:
-                hidden = act(hidden)
-            torch.addcmul(part, down(hidden), mod(5, a, b), out=part)
-            del hidden, part
+                out = ffn(modulated)
+                del modulated
+            torch.addcmul(part, out, mod(5, a, b), out=part)
+            del out, part
     finally:
-        up.release()
-        down.release()
+        if plain:
+            up.release()
+            down.release()
+
+
+# --- the forwards the pack installs: guarded, self-checked --------------------------------------------------
+SELF_ATTENTION_ARGS = ("x", "freqs", "transformer_options")
+CROSS_ATTENTION_ARGS = ("x", "context", "context_img_len", "transformer_options")
+BLOCK_ARGS = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
+VACE_BLOCK_ARGS = ("c",) + BLOCK_ARGS
+# submodules the bounded block computes itself: another node's patch on any of them means the block runs stock
+BLOCK_PARTS = ("self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3")
+
+
+def _bind(names, args, kwargs) -> Optional[dict]:
+    """The call's arguments by name, or None when it passes one the pack's forward does not know."""
+    if len(args) > len(names) or any(name not in names for name in kwargs):
+        return None
+    bound = dict(zip(names, args))
+    if any(name in bound for name in kwargs):
+        return None
+    bound.update(kwargs)
+    return bound
+
+
+def _unknown(names, args, kwargs) -> str:
+    extra = [name for name in kwargs if name not in names] or [f"{len(args)} positional"]
+    return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
+
+
+def _layers_signature(module) -> tuple:
+    """Layer classes and weight dtypes under `module`: a different weight format is checked on its own."""
+    return tuple((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None)))
+                 for name, child in module.named_modules() if hasattr(child, "weight"))
+
+
+def _stock_functions(module) -> tuple:
+    """ComfyUI's forward functions whose math a forward of the pack replaces."""
+    parts = [getattr(module, name, None) for name in BLOCK_PARTS[:3]]
+    return (type(module).forward,) + tuple(type(part).forward for part in parts if part is not None)
+
+
+def _signature(kind: str, module, config, bound: dict) -> tuple:
+    options = bound.get("transformer_options") or {}
+    x = bound["c"] if "c" in bound else bound["x"]
+    e, img_len = bound.get("e"), bound.get("context_img_len")
+    e_layout = None if e is None else (e.ndim, e.shape[1] == 1, e.shape[1] == x.shape[1])
+    return (kind, _stock_functions(module), _layers_signature(module), x.dtype, x.device.type, config,
+            frozenset(name for name, hooks in options.get("patches", {}).items() if hooks),
+            "optimized_attention_override" in options, e_layout, img_len is None, bound.get("freqs") is None)
+
+
+def _check_inputs(bound: dict) -> dict:
+    """The first `compat.CHECK_TOKENS` tokens of one batch item of the call's inputs (fresh tensors), with
+    probes for the patch hooks in its transformer_options."""
+    x = bound["c"] if "c" in bound else bound["x"]
+    batch, tokens = x.shape[0], x.shape[1]
+    n = compat.check_tokens(tokens)
+    out = {}
+    for name, value in bound.items():
+        if name == "transformer_options":
+            out[name] = compat.probe_options(value or {})
+        elif not torch.is_tensor(value) or value.dim() < 2 or name == "context":
+            out[name] = value[:1].clone() if torch.is_tensor(value) and value.dim() >= 1 and \
+                value.shape[0] == batch else value
+        elif name == "e" and value.dim() == 4 and value.shape[1] not in (1, tokens):
+            out[name] = value[:1, :1].clone()   # per frame: one frame's modulation for every check token
+        else:
+            first = value[:1] if value.shape[0] == batch else value
+            out[name] = first[:, :n].clone() if first.shape[1] == tokens else first.clone()
+    return out
+
+
+def _guard(kind: str, what: str, module, names, ours_factory, config, refuse_more=None):
+    """`compat.guarded` for one module: ours = `ours_factory(module, config)`, self-checked against the
+    module's own forward on the call's first tokens with the head split forced."""
+    stock = compat.stock_forward(module)
+    ours = ours_factory(module, config)
+    checked = ours_factory(module, config._replace(split_floor=0))
+
+    def refuse(args, kwargs):
+        if _bind(names, args, kwargs) is None:
+            return _unknown(names, args, kwargs)
+        return refuse_more(module) if refuse_more is not None else None
+
+    def check(args, kwargs):
+        bound = _bind(names, args, kwargs)
+        base_name = "c" if "c" in bound else "x"
+        inputs = _check_inputs(bound)
+        base = inputs[base_name] if kind.endswith("block") else None
+        return compat.self_check(_signature(kind, module, config, bound), _stock_functions(module),
+                                 lambda: stock(**_fresh(inputs)), lambda: checked(**_fresh(inputs)),
+                                 base=None if base is None else base.clone())
+
+    return compat.guarded(what, stock, ours, refuse, check)
+
+
+def _fresh(inputs: dict) -> dict:
+    """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
+    return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
+
+
+def foreign_part(block) -> Optional[str]:
+    for name in BLOCK_PARTS:
+        part = getattr(block, name, None)
+        if part is not None and compat.foreign_forward(part):
+            return f"another node patched its {name}"
+    return None
+
+
+def _self_attention_forward(module, config):
+    def forward(x, freqs, transformer_options={}):
+        return output_projection_(module.o, self_attention(module, [x], freqs, config, transformer_options,
+                                                           ATTENTION_ONLY_KEPT_KEYS))
+    return forward
+
+
+def _cross_attention_forward(module, config):
+    def forward(x, context, context_img_len=None, transformer_options={}):
+        cross = CrossAttention(module, context, context_img_len, config, transformer_options, like=x)
+        try:
+            return output_projection_(module.o, cross([x]), cast=cross.out)
+        finally:
+            cross.release()
+    return forward
+
+
+def _block_forward(block, config):
+    def forward(x, e, freqs, context, context_img_len=257, transformer_options={}):
+        return run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options)
+    return forward
+
+
+def _vace_block_forward(block, config):
+    def forward(c, x, e, freqs, context, context_img_len=257, transformer_options={}):
+        if block.block_id == 0:
+            c = block.before_proj(c) + x
+        c = run_bounded_block(block, c, e, freqs, context, context_img_len, config, transformer_options)
+        return block.after_proj(c), c
+    return forward
+
+
+def self_attention_forward(module, config):
+    """The guarded forward installed on a `WanSelfAttention`."""
+    return _guard("self_attn", f"{FAMILY} self-attention", module, SELF_ATTENTION_ARGS, _self_attention_forward,
+                  config)
+
+
+def cross_attention_forward(module, config):
+    """The guarded forward installed on a Wan cross-attention (text, or text + CLIP image)."""
+    return _guard("cross_attn", f"{FAMILY} cross-attention", module, CROSS_ATTENTION_ARGS,
+                  _cross_attention_forward, config)
+
+
+def bounded_block_forward(block, config):
+    """The guarded bounded `WanAttentionBlock.forward`: every transient bounded (see `run_bounded_block`)."""
+    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, _block_forward, config, foreign_part)
 
 
 def bounded_vace_block_forward(block, config):
-    """`VaceWanAttentionBlock.forward` around the bounded block."""
-    def forward(c, x, **kwargs):
-        transformer_options = kwargs.get("transformer_options", {})
-        if block.block_id == 0:
-            c = block.before_proj(c) + x
-        c = run_bounded_block(block, c, kwargs["e"], kwargs["freqs"], kwargs["context"],
-                              kwargs.get("context_img_len", 257), config, transformer_options)
-        return block.after_proj(c), c
-    return forward
+    """The guarded `VaceWanAttentionBlock.forward` around the bounded block."""
+    return _guard("vace_block", f"{FAMILY} VACE block", block, VACE_BLOCK_ARGS, _vace_block_forward, config,
+                  foreign_part)
 
 
 # --- patching ---------------------------------------------------------------------------------------------
@@ -472,33 +581,85 @@ def matches(diffusion_model) -> bool:
     return isinstance(getattr(first, "self_attn", None), wan_model.WanSelfAttention)
 
 
-def patch(patcher, config, report) -> None:
-    """Adds object patches to `patcher` (a clone) for every Wan module that probes clean."""
-    model = patcher.model.diffusion_model
+def _block_lists(model):
     for list_name in ("blocks", "vace_blocks"):
         blocks = getattr(model, list_name, None)
-        if not isinstance(blocks, torch.nn.ModuleList):
+        if isinstance(blocks, torch.nn.ModuleList):
+            for index, block in enumerate(blocks):
+                yield f"diffusion_model.{list_name}.{index}", list_name, block
+
+
+def patch(patcher, config, report) -> None:
+    """Adds object patches to `patcher` (a clone) for every Wan module that probes clean: the attention
+    modules always (they serve a block that runs stock too), the blocks with block bounds. A module another
+    node already patched keeps that patch (its block then runs stock, calling it)."""
+    model = patcher.model.diffusion_model
+
+    def foreign(key: str) -> bool:
+        return key in patcher.object_patches and not compat.is_ours(patcher.object_patches[key])
+
+    for path, list_name, block in _block_lists(model):
+        kind = "VaceWanAttentionBlock" if list_name == "vace_blocks" else "WanAttentionBlock"
+        for name, factory in (("self_attn", self_attention_forward), ("cross_attn", cross_attention_forward)):
+            module = getattr(block, name, None)
+            if module is None:
+                continue
+            key = f"{path}.{name}.forward"
+            reason = "another node patched it (its patch is kept)" if foreign(key) else \
+                probe_attention(module, "WanSelfAttention" if name == "self_attn" else type(module).__name__)
+            if reason is None:
+                patcher.add_object_patch(key, factory(module, config))
+                report.patched(FAMILY, name, f"{path}.{name}")
+            else:
+                report.skipped(FAMILY, f"{path}.{name}", reason)
+        if not config.block:
             continue
-        for index, block in enumerate(blocks):
-            path = f"diffusion_model.{list_name}.{index}"
-            kind = "VaceWanAttentionBlock" if list_name == "vace_blocks" else "WanAttentionBlock"
-            if config.block:
-                reason = probe_block(block, kind)
-                if reason is None:
-                    factory = bounded_vace_block_forward if kind == "VaceWanAttentionBlock" else bounded_block_forward
-                    patcher.add_object_patch(f"{path}.forward", factory(block, config))
-                    report.patched(FAMILY, "block", path)
-                    continue
-                report.skipped(FAMILY, f"{path} (block)", reason)
-            for name, factory in (("self_attn", patched_self_attention_forward),
-                                  ("cross_attn", patched_cross_attention_forward)):
-                module = getattr(block, name, None)
-                if module is None:
-                    continue
-                kind_name = "WanSelfAttention" if name == "self_attn" else type(module).__name__
-                reason = probe_attention(module, kind_name)
-                if reason is None:
-                    patcher.add_object_patch(f"{path}.{name}.forward", factory(module, config))
-                    report.patched(FAMILY, name, f"{path}.{name}")
-                else:
-                    report.skipped(FAMILY, f"{path}.{name}", reason)
+        key = f"{path}.forward"
+        foreign_parts = [name for name in BLOCK_PARTS if foreign(f"{path}.{name}.forward")]
+        if foreign(key):
+            reason = "another node patched it (its patch is kept)"
+        elif foreign_parts:
+            reason = f"another node patched its {', '.join(foreign_parts)} (kept; the block runs as ComfyUI's)"
+        else:
+            reason = probe_block(block, kind)
+        if reason is None:
+            factory = bounded_vace_block_forward if kind == "VaceWanAttentionBlock" else bounded_block_forward
+            patcher.add_object_patch(key, factory(block, config))
+            report.patched(FAMILY, "block", path)
+        else:
+            report.skipped(FAMILY, f"{path} (block)", reason)
+
+
+def stock_functions(diffusion_model) -> set:
+    """ComfyUI's forward functions this adapter's patches stand in for (the run's memory estimate is lowered
+    only once each has passed a self-check)."""
+    functions = set()
+    for _, _, block in _block_lists(diffusion_model):
+        functions.update(_stock_functions(block))
+        for name in ("self_attn", "cross_attn"):
+            if getattr(block, name, None) is not None:
+                functions.update(_stock_functions(getattr(block, name)))
+    return functions
+
+
+def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
+    """Tokens of one batch item for a latent `(B, C, T, H, W)`, or None for another shape."""
+    if latent_shape is None or len(latent_shape) != 5:
+        return None
+    patch_size = tuple(getattr(diffusion_model, "patch_size", (1, 2, 2)))
+    count = 1
+    for size, step in zip(latent_shape[2:], patch_size):
+        count *= -(-int(size) // int(step))
+    return count
+
+
+def splits_projections(diffusion_model) -> Optional[str]:
+    """None when the self-attention projections can be computed by rows (the head split can run), else why not."""
+    for _, _, block in _block_lists(diffusion_model):
+        attention = getattr(block, "self_attn", None)
+        for name in ("q", "k", "v"):
+            reason = not_row_sliceable(getattr(attention, name, None))
+            if reason is not None:
+                return f"self_attn.{name}: {reason}"
+        return None
+    return "no blocks"

@@ -50,11 +50,13 @@ def get_head_split_level() -> int:
     return _global_level
 
 
-def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None) -> int:
+def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
     """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens (all batch items
-    together; for cross attention the longer of the two sequences)."""
+    together; for cross attention the longer of the two sequences). `floor`: the fewest tokens that are
+    split (default `SPLIT_FLOOR_TOKENS`)."""
     lvl = _global_level if level is None else parse_level(level)
-    if lvl == 0 or tokens < SPLIT_FLOOR_TOKENS or kv_heads <= 1:
+    floor = SPLIT_FLOOR_TOKENS if floor is None else floor
+    if lvl == 0 or tokens < floor or kv_heads <= 1:
         return 1
     target = TARGET_GROUPS[lvl]
     divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]

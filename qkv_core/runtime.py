@@ -27,7 +27,8 @@ ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
 
 _OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
-            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant", "keep_keys")
+            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant", "keep_keys",
+            "split_floor_tokens")
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
@@ -170,6 +171,11 @@ class _Call:
                              f"to the model's compute dtype first")
         if o.head_split_level is not None:
             parse_level(o.head_split_level)
+        if o.split_floor_tokens is not None and (isinstance(o.split_floor_tokens, bool) or
+                                                 not isinstance(o.split_floor_tokens, int) or
+                                                 o.split_floor_tokens < 0):
+            raise ValueError(f"split_floor_tokens is the fewest tokens (all batch items) that are split, an int "
+                             f">= 0, not {o.split_floor_tokens!r}; leave it out for the default")
         if o.softmax_scale is not None and (o.force_attention != "sdpa" or o.attention_fn is not None):
             raise ValueError("softmax_scale is only honoured by the SDPA path: pass force_attention='sdpa' and no "
                              "attention_fn (an attention_fn applies its own scale)")
@@ -230,6 +236,11 @@ class _Call:
         return self._staged
 
     # --- split plan ------------------------------------------------------------------------------------
+    @property
+    def floor(self) -> int:
+        """The fewest tokens (all batch items) that are split: the option, else the module's constant."""
+        return head_split.SPLIT_FLOOR_TOKENS if self.o.split_floor_tokens is None else self.o.split_floor_tokens
+
     def _plan(self) -> list[HeadGroup]:
         o = self.o
         batch = self.sources[0].x.shape[0]
@@ -238,10 +249,10 @@ class _Call:
         self.q_tokens, self.kv_tokens, self.batch = q_tokens, kv_tokens, batch
         count = 1
         if o.split_heads is not False:
-            count = group_count(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level)
+            count = group_count(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level, self.floor)
         if count > 1:
             for source in self.sources:
-                if batch * source.tokens < head_split.SPLIT_FLOOR_TOKENS:
+                if batch * source.tokens < self.floor:
                     continue  # short: projected whole once and sliced
                 for name, proj in source.proj.items():
                     reason = proj.not_row_sliceable()

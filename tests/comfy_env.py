@@ -3,20 +3,35 @@
 Imported by the tests as ``import comfy_env`` (pytest puts ``tests/`` on ``sys.path``; tests/ has no
 ``__init__.py``). Nothing here is ComfyUI code: it only imports ComfyUI from a checkout found at run time.
 
-Where ComfyUI is looked for (``find_comfyui``):
-  1. ``$COMFYUI_PATH``;
+Where ComfyUI is looked for (``find_comfyui``; one pytest process imports one ComfyUI):
+  1. ``$COMFYUI_PATH`` (with several roots separated by ``os.pathsep``, ``:``, the first one);
   2. the ComfyUI root above this repository when the repository is installed as
      ``ComfyUI/custom_nodes/<pack>`` (the grandparent of the repo root has ``comfy/`` and ``nodes.py``);
   3. ``~/ComfyUI``.
 Tests call ``require_comfyui()``, which skips the test with a reason when ComfyUI is missing or fails to import.
 
+Which roots ``scripts/test`` runs pytest against, one process each (``comfyui_roots``; printed by
+``python3 tests/comfy_env.py roots``, one per line):
+  * ``$COMFYUI_PATH`` set: its entries, in order (duplicates dropped);
+  * otherwise the root ``find_comfyui`` finds (2. or 3. above), then the extra roots: ``$QKV_EXTRA_COMFYUI``
+    (``os.pathsep``-separated; set it empty for none) or, when that is unset, ``~/ComfyUI-0.8.0`` if it is a
+    checkout (``DEFAULT_EXTRA_COMFYUI``).
+The first root gets the whole suite, each further one only the tests marked ``comfyui``.
+``python3 tests/comfy_env.py missing FILE`` prints the requirements of FILE that the running interpreter does
+not satisfy (scripts/test skips pip when there are none).
+
 Import set-up (``setup()``, idempotent, run by ``require_comfyui``):
   * ComfyUI's root goes to the front of ``sys.path`` (see the note on ``nodes`` below);
-  * a torchvision stub is installed only when ``import torchvision`` fails (ComfyUI imports torchvision
-    unguarded in a few model families; the CPU torch wheels here have no working torchvision);
+  * torchvision and torchaudio stubs are installed only when ``import torchvision`` / ``import torchaudio``
+    fail (ComfyUI imports them unguarded in model families and extra nodes; v0.33 imports
+    ``torchvision.ops`` and ``torchaudio`` on the way to ``import nodes``; the CPU torch wheels here come
+    without them). Every ``torchvision.*`` / ``torchaudio.*`` submodule and attribute exists; using one raises
+    ``StubUsed``;
   * ``comfy.cli_args.args.cpu = True`` before ``comfy.model_management`` is imported (that module reads the
     flags at import time and fails on a CPU-only torch without it). Set ``COMFY_ENV_GPU=1`` to leave the
-    flag alone (GPU test runs).
+    flag alone (GPU test runs). DynamicVRAM (v0.33, comfy-aimdo) stays off: only ComfyUI's main.py turns it
+    on (``comfy.memory_management.aimdo_enabled``), never an import, and ``--cpu`` disables it there too;
+    comfy_aimdo itself imports on a CPU-only machine (its modules are imported unconditionally).
 
 Model helpers: ``make_wan(kind, ...)`` builds a tiny random-weight Wan (float32, CPU) from
 ``comfy.supported_models`` configs and returns a ``ModelPatcher``; ``make_inputs`` builds the keyword
@@ -57,12 +72,33 @@ def _is_comfy_root(path) -> bool:
     return (p / "comfy").is_dir() and (p / "nodes.py").is_file() and (p / "execution.py").is_file()
 
 
-def find_comfyui(repo_root=None):
-    """Path of a ComfyUI checkout, or None. Order: $COMFYUI_PATH, ComfyUI above this repo, ~/ComfyUI."""
+# Further roots scripts/test runs the ComfyUI tests against when neither COMFYUI_PATH nor QKV_EXTRA_COMFYUI is
+# set (only those that are checkouts).
+DEFAULT_EXTRA_COMFYUI = ("~/ComfyUI-0.8.0",)
+
+
+def split_roots(value):
+    """Entries of an ``os.pathsep``-separated list of paths (``COMFYUI_PATH``, ``QKV_EXTRA_COMFYUI``), in order,
+    empty entries dropped, ``~`` expanded, made absolute (not resolved: a missing path stays as given)."""
+    return [Path(os.path.abspath(os.path.expanduser(e.strip())))
+            for e in (value or "").split(os.pathsep) if e.strip()]
+
+
+def _resolved(p: Path) -> Path:
+    try:
+        return p.resolve()
+    except OSError:
+        return p
+
+
+def find_comfyui(repo_root=None, environ=None):
+    """Path of a ComfyUI checkout, or None. Order: $COMFYUI_PATH (its first entry when it lists several),
+    ComfyUI above this repo, ~/ComfyUI."""
+    environ = os.environ if environ is None else environ
     roots = [Path(repo_root)] if repo_root is not None else [_REPO_ROOT_AS_SEEN, REPO_ROOT]
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        p = Path(env).expanduser().resolve()
+    listed = split_roots(environ.get("COMFYUI_PATH"))
+    if listed:
+        p = _resolved(listed[0])
         return p if _is_comfy_root(p) else None   # an explicit path that is wrong is not silently replaced
     for r in roots:
         above = Path(os.path.abspath(r)).parent.parent   # ComfyUI/custom_nodes/<pack> -> ComfyUI
@@ -74,10 +110,69 @@ def find_comfyui(repo_root=None):
     return None
 
 
+def comfyui_roots(repo_root=None, environ=None):
+    """The ComfyUI roots to run the tests against, one pytest process each, in order (list of Paths).
+
+    ``COMFYUI_PATH`` set: its entries (wrong ones kept: their run skips the ComfyUI tests and says why).
+    Otherwise ``find_comfyui()``'s root (if any) followed by ``QKV_EXTRA_COMFYUI``'s entries, or, when that
+    variable is unset, by the ``DEFAULT_EXTRA_COMFYUI`` that are checkouts. Duplicates (same resolved path)
+    are dropped. Empty when there is no ComfyUI at all."""
+    environ = os.environ if environ is None else environ
+    listed = split_roots(environ.get("COMFYUI_PATH"))
+    if listed:
+        roots = listed
+    else:
+        primary = find_comfyui(repo_root, environ={})
+        roots = [primary] if primary is not None else []
+        if "QKV_EXTRA_COMFYUI" in environ:
+            roots += split_roots(environ["QKV_EXTRA_COMFYUI"])
+        else:
+            roots += [p for p in split_roots(os.pathsep.join(DEFAULT_EXTRA_COMFYUI)) if _is_comfy_root(p)]
+    out, seen = [], set()
+    for p in roots:
+        r = _resolved(p) if p.exists() else p
+        if r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def unsatisfied_requirements(path):
+    """The requirement lines of a pip requirements file that the running interpreter does not satisfy
+    (missing distribution or a version outside the specifier; lines whose marker is false are skipped).
+
+    A quick check (importlib.metadata, no pip) so scripts/test calls pip only when something is missing.
+    Without the ``packaging`` module every requirement is reported (pip then decides)."""
+    import importlib.metadata as md
+    lines = []
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split(" #", 1)[0].split("\t#", 1)[0].strip()
+        if line and not line.startswith(("#", "-")):
+            lines.append(line)
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        return lines
+    missing = []
+    for line in lines:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            version = md.version(req.name)
+        except md.PackageNotFoundError:
+            missing.append(line)
+            continue
+        if req.specifier and not req.specifier.contains(version, prereleases=True):
+            missing.append(line)
+    return missing
+
+
 def _not_found_reason():
-    env = os.environ.get("COMFYUI_PATH")
-    if env:
-        return f"COMFYUI_PATH={env!r} is not a ComfyUI checkout (needs comfy/, nodes.py, execution.py)"
+    listed = split_roots(os.environ.get("COMFYUI_PATH"))
+    if listed:
+        return (f"COMFYUI_PATH entry {str(listed[0])!r} is not a ComfyUI checkout "
+                "(needs comfy/, nodes.py, execution.py)")
     return ("no ComfyUI checkout found (set COMFYUI_PATH, install this repo under ComfyUI/custom_nodes/, "
             "or put ComfyUI at ~/ComfyUI)")
 
@@ -86,30 +181,130 @@ def _not_found_reason():
 # Import set-up
 # --------------------------------------------------------------------------------------------------
 
-def install_torchvision_stub() -> bool:
-    """Install a minimal torchvision stub if the real one cannot be imported. Returns True if stubbed."""
-    existing = sys.modules.get("torchvision")
-    if existing is not None and getattr(existing, "__comfy_env_stub__", False):
-        return True
-    try:
-        import torchvision  # noqa: F401
-        return False
-    except Exception:
-        for k in [k for k in sys.modules if k == "torchvision" or k.startswith("torchvision.")]:
-            del sys.modules[k]
+# Packages stubbed when they do not import (see install_stub). ComfyUI imports them unguarded at module level
+# in model families and extra nodes the tests never run; the CPU torch wheels here come without them (and
+# installing them could replace torch).
+STUBBABLE = ("torchvision", "torchaudio")
+
+
+class StubUsed(ImportError):
+    """Raised when stubbed code is actually called (never while importing ComfyUI)."""
+
+
+class _StubMeta(type):
+    # Any attribute of a stub class is another stub class: `InterpolationMode.BICUBIC`,
+    # `transforms.Compose`, ... can be evaluated at import time (default arguments, class bodies).
+    def __getattr__(cls, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class(f"{cls.__qualname__}.{name}", cls.__module__)
+
+    def __repr__(cls):
+        return f"<comfy_env stub {cls.__module__}.{cls.__qualname__}>"
+
+
+def _stub_class(qualname, module):
+    def __init__(self, *args, **kwargs):
+        top = module.split(".")[0]
+        raise StubUsed(f"{module}.{qualname} is a comfy_env stub: {top} is not installed")
+    cls = _StubMeta(qualname.rsplit(".", 1)[-1], (), {"__init__": __init__, "__module__": module})
+    cls.__qualname__ = qualname
+    return cls
+
+
+class _StubModule(types.ModuleType):
+    """A stub (sub)module: a package whose every public attribute exists.
+
+    An attribute that is an imported submodule is that module; any other is a stub class (callable and
+    subclassable; calling or instantiating it raises StubUsed), so `from torchvision.ops import
+    deform_conv2d`, `from torchvision.transforms.functional import InterpolationMode`,
+    `class X(transforms.Compose)` and `torchaudio.functional.resample` all import."""
+
+    __comfy_env_stub__ = True
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        sub = sys.modules.get(f"{self.__name__}.{name}")
+        if sub is not None:
+            return sub
+        value = _stub_class(name, self.__name__)
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder:
+    """Meta-path finder + loader: `<stubbed>.<anything>` imports as a stub module while the stub is the
+    top-level module in sys.modules (a real package is never shadowed)."""
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        top_name, dot, _ = fullname.partition(".")
+        if not dot or top_name not in STUBBABLE:
+            return None
+        top = sys.modules.get(top_name)
+        if top is None or not getattr(top, "__comfy_env_stub__", False):
+            return None
+        return importlib.machinery.ModuleSpec(fullname, cls, is_package=True)
+
+    @classmethod
+    def create_module(cls, spec):
+        return _new_stub_module(spec.name, spec)
+
+    @classmethod
+    def exec_module(cls, module):
+        pass
+
+
+def _new_stub_module(name, spec=None):
     # A real __spec__ is needed: transformers calls importlib.util.find_spec("torchvision"), which raises
     # "ValueError: torchvision.__spec__ is None" for a bare module object.
-    tv = types.ModuleType("torchvision")
-    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None, is_package=True)
-    tv.__path__ = []
-    tv.__version__ = "0.0.0+comfy_env_stub"
-    tv.__comfy_env_stub__ = True
-    tr = types.ModuleType("torchvision.transforms")
-    tr.__spec__ = importlib.machinery.ModuleSpec("torchvision.transforms", None)
-    tv.transforms = tr
-    sys.modules["torchvision"] = tv
-    sys.modules["torchvision.transforms"] = tr
+    mod = _StubModule(name)
+    mod.__spec__ = spec or importlib.machinery.ModuleSpec(name, _StubFinder, is_package=True)
+    mod.__loader__ = mod.__spec__.loader
+    mod.__path__ = []
+    mod.__package__ = name
+    return mod
+
+
+def install_stub(name) -> bool:
+    """Install a stub of package ``name`` (one of STUBBABLE) if the real one cannot be imported.
+
+    Returns True if stubbed. The stub is the top-level module plus a meta-path finder that makes every
+    ``name.*`` submodule a stub module (see _StubModule); nothing in it works, which is fine as the tests
+    never run the models that use it. ComfyUI v0.33 needs it at import time for torchvision
+    (`torchvision.ops`, `torchvision.transforms.functional`, `torchvision.models.optical_flow`) and
+    torchaudio (`import torchaudio` in comfy.sd's LTX audio VAE, imported by nodes.py)."""
+    if name not in STUBBABLE:
+        raise ValueError(f"{name!r} is not one of {STUBBABLE}")
+    existing = sys.modules.get(name)
+    if existing is not None and getattr(existing, "__comfy_env_stub__", False):
+        _install_stub_finder()
+        return True
+    try:
+        importlib.import_module(name)
+        return False
+    except Exception:
+        for k in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[k]
+    mod = _new_stub_module(name)
+    mod.__version__ = "0.0.0+comfy_env_stub"
+    sys.modules[name] = mod
+    _install_stub_finder()
     return True
+
+
+def install_torchvision_stub() -> bool:
+    """``install_stub("torchvision")`` (with ``torchvision.transforms`` imported, as the real package does)."""
+    stubbed = install_stub("torchvision")
+    if stubbed:
+        import torchvision.transforms  # noqa: F401
+    return stubbed
+
+
+def _install_stub_finder():
+    if _StubFinder not in sys.meta_path:
+        sys.meta_path.insert(0, _StubFinder)
 
 
 def _module_root(mod):
@@ -172,6 +367,7 @@ def setup():
     try:
         _put_comfy_first(root)
         install_torchvision_stub()
+        install_stub("torchaudio")
         import comfy.cli_args
         if os.environ.get("COMFY_ENV_GPU") != "1":
             if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:
@@ -309,15 +505,16 @@ class StubServer:
 
 
 def make_executor(server=None):
-    """``execution.PromptExecutor`` with a stub server and the classic cache (v0.8.0 takes ``cache_args``,
-    v0.3.64 ``cache_size``)."""
+    """``execution.PromptExecutor`` with a stub server and the classic cache (v0.8.0 and v0.33 take
+    ``cache_args``, v0.3.64 ``cache_size``; v0.33 also reads ``cache_args["ram_inactive"]``, which v0.8.0
+    ignores)."""
     setup()
     import execution
     server = server or StubServer()
     params = inspect.signature(execution.PromptExecutor.__init__).parameters
     if "cache_args" in params:
         return execution.PromptExecutor(server, cache_type=execution.CacheType.CLASSIC,
-                                        cache_args={"lru": 0, "ram": 0})
+                                        cache_args={"lru": 0, "ram": 0, "ram_inactive": 0})
     return execution.PromptExecutor(server, cache_type=execution.CacheType.CLASSIC, cache_size=0)
 
 
@@ -563,9 +760,30 @@ def run_sample(patcher, kind=None, frames=2, h=8, w=8, batch=1, steps=3, cfg=5.0
                                noise_mask=denoise_mask, disable_pbar=True, seed=seed, **kwargs)
 
 
+# --------------------------------------------------------------------------------------------------
+# Command line (scripts/test): `python3 tests/comfy_env.py roots` / `missing FILE`; imports nothing of ComfyUI
+# --------------------------------------------------------------------------------------------------
+
+def _main(argv):
+    if argv[:1] == ["roots"] and len(argv) == 1:
+        for root in comfyui_roots():
+            print(root)
+        return 0
+    if argv[:1] == ["missing"] and len(argv) == 2:
+        for line in unsatisfied_requirements(argv[1]):
+            print(line)
+        return 0
+    print("usage: python3 tests/comfy_env.py roots | missing REQUIREMENTS_FILE", file=sys.stderr)
+    return 2
+
+
 # Set-up at import time, on purpose. Test modules import this helper while pytest collects, i.e. before
 # anything else can import ComfyUI: pytest >= 8 also imports the repository's root __init__.py (the
 # pack's entry point, which imports comfy_api and, through the pack, comfy.model_management) when it sets
 # up the root directory as a Package, before the first test of the session runs. By then ComfyUI must be
 # on sys.path and comfy.cli_args.args.cpu must be set. Without ComfyUI this does nothing (tests skip).
-try_setup()
+# Run as a script (the queries above) it imports nothing of ComfyUI.
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
+else:
+    try_setup()

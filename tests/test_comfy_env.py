@@ -1,5 +1,12 @@
-"""Smoke tests of tests/comfy_env.py against a real ComfyUI checkout (skipped without one)."""
+"""Smoke tests of tests/comfy_env.py against a real ComfyUI checkout (skipped without one).
 
+Marked ``comfyui`` as a whole: scripts/test runs this file against every ComfyUI root (the few tests here that
+need no ComfyUI take milliseconds)."""
+
+import importlib
+import os
+import re
+import subprocess
 import sys
 import textwrap
 import types
@@ -11,6 +18,8 @@ import pytest
 import comfy_env
 
 torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.comfyui
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +42,112 @@ def test_find_comfyui_order(tmp_path, monkeypatch):
     assert comfy_env.find_comfyui(repo_root=pack) is None          # explicit but wrong: not replaced
     monkeypatch.setenv("COMFYUI_PATH", str(fake))
     assert comfy_env.find_comfyui(repo_root=tmp_path) == fake.resolve()
+
+
+def _fake_comfy(path):
+    (path / "comfy").mkdir(parents=True)
+    (path / "nodes.py").write_text("")
+    (path / "execution.py").write_text("")
+    return path
+
+
+def test_find_comfyui_takes_the_first_listed_root(tmp_path, monkeypatch):
+    a, b = _fake_comfy(tmp_path / "a"), _fake_comfy(tmp_path / "b")
+    monkeypatch.setenv("COMFYUI_PATH", os.pathsep.join([str(a), str(b)]))
+    assert comfy_env.find_comfyui(repo_root=tmp_path) == a.resolve()
+    monkeypatch.setenv("COMFYUI_PATH", os.pathsep.join(["", str(tmp_path / "nowhere"), str(b)]))
+    assert comfy_env.find_comfyui(repo_root=tmp_path) is None      # the first entry is wrong: not replaced
+    assert comfy_env.find_comfyui(repo_root=tmp_path, environ={"COMFYUI_PATH": str(b)}) == b.resolve()
+
+
+def test_split_roots(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    sep = os.pathsep
+    assert comfy_env.split_roots(None) == [] and comfy_env.split_roots("") == []
+    assert comfy_env.split_roots(f"{sep}{sep} ") == []
+    assert comfy_env.split_roots(f"~/A{sep}{tmp_path}/B/{sep}{sep}rel") == [
+        tmp_path / "A", tmp_path / "B", Path(os.path.abspath("rel"))]
+
+
+def test_comfyui_roots(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setattr(comfy_env, "DEFAULT_EXTRA_COMFYUI", ("~/ComfyUI-0.8.0",))
+    pack = tmp_path / "elsewhere" / "pack"            # not installed under a ComfyUI
+    pack.mkdir(parents=True)
+    roots = lambda **env: comfy_env.comfyui_roots(repo_root=pack, environ=env)   # noqa: E731
+
+    assert roots() == []                                                   # nothing anywhere
+    old = _fake_comfy(home / "ComfyUI-0.8.0")
+    assert roots() == [old.resolve()]                                      # the extra alone comes first
+    main = _fake_comfy(home / "ComfyUI")
+    assert roots() == [main.resolve(), old.resolve()]                      # auto-discovered, then the default extra
+    assert roots(QKV_EXTRA_COMFYUI="") == [main.resolve()]                 # extras switched off
+    third = _fake_comfy(tmp_path / "c")
+    sep = os.pathsep
+    assert roots(QKV_EXTRA_COMFYUI=f"{third}{sep}{main}") == [main.resolve(), third.resolve()]   # deduplicated
+    # a pack installed in a ComfyUI: that one is the first root
+    installed = _fake_comfy(tmp_path / "Host") / "custom_nodes" / "pack"
+    installed.mkdir(parents=True)
+    assert comfy_env.comfyui_roots(repo_root=installed, environ={}) == [(tmp_path / "Host").resolve(), old.resolve()]
+    # COMFYUI_PATH is the whole list: the extras do not apply; wrong entries stay (their run skips, saying why)
+    listed = f"{old}{sep}{tmp_path / 'nowhere'}{sep}{sep}{old}/{sep}{main}"
+    assert roots(COMFYUI_PATH=listed, QKV_EXTRA_COMFYUI=str(third)) == [
+        old.resolve(), tmp_path / "nowhere", main.resolve()]
+
+
+def test_roots_and_missing_cli(tmp_path):
+    """scripts/test's queries: `comfy_env.py roots` and `comfy_env.py missing FILE`, without importing ComfyUI."""
+    a, b = _fake_comfy(tmp_path / "a"), _fake_comfy(tmp_path / "b")
+    env = dict(os.environ, COMFYUI_PATH=os.pathsep.join([str(a), str(b)]))
+    script = str(Path(comfy_env.__file__))
+    out = subprocess.run([sys.executable, script, "roots"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [str(a.resolve()), str(b.resolve())]
+    req = tmp_path / "req.txt"
+    req.write_text("# comment\npytest>=1   # satisfied\nno-such-dist-qkv-test==1.0\n"
+                   "pytest<1\ntorch ; python_version < '3'\n\n-r other.txt\n")
+    out = subprocess.run([sys.executable, script, "missing", str(req)], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.splitlines() == ["no-such-dist-qkv-test==1.0", "pytest<1"]
+    bad = subprocess.run([sys.executable, script, "nonsense"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_comfyui_test_files_are_marked():
+    """Every test file that uses a ComfyUI helper carries the `comfyui` mark (module pytestmark), so that
+    scripts/test runs it against every ComfyUI root (`-m comfyui`)."""
+    unmarked = []
+    for f in sorted(Path(__file__).parent.glob("test_*.py")):
+        text = f.read_text()
+        if not re.search(r"^\s*import (comfy_env|gguf_env)\b|require_comfyui\(", text, re.M):
+            continue
+        mark = re.search(r"^pytestmark\s*=\s*(\[[^\]]*\]|[^\n]*)", text, re.M)
+        if not mark or "pytest.mark.comfyui" not in mark.group(1):
+            unmarked.append(f.name)
+    assert not unmarked, f"ComfyUI-backed test files without pytestmark = pytest.mark.comfyui: {unmarked}"
+
+
+def test_stubs_import_anything():
+    """The torchvision/torchaudio stubs (installed only when the real package does not import) make any
+    submodule and attribute importable; using one raises StubUsed."""
+    for name in comfy_env.STUBBABLE:
+        if not getattr(sys.modules.get(name), "__comfy_env_stub__", False):
+            continue                                     # the real package is installed
+        sub = importlib.import_module(f"{name}.transforms.functional")
+        assert sub.__spec__ is not None and sub.__comfy_env_stub__
+        assert sys.modules[name].transforms.functional is sub
+        mode = sub.InterpolationMode.BICUBIC                # a class attribute at import time
+        with pytest.raises(comfy_env.StubUsed):
+            mode()
+        with pytest.raises(comfy_env.StubUsed):
+            importlib.import_module(f"{name}.ops").deform_conv2d(1, 2)
+
+        class Sub(sys.modules[name].SomeBase):               # subclassable
+            pass
+        with pytest.raises(comfy_env.StubUsed):
+            Sub()
+        with pytest.raises(AttributeError):
+            sys.modules[name].__wrapped__                    # dunder look-ups stay honest
 
 
 def test_setup_imports_comfyui(comfy_root):

@@ -1,0 +1,198 @@
+"""Does the pack's forward still compute what ComfyUI's does? Guards and a behavioural self-check.
+
+Every forward the pack installs is wrapped by `guarded()`. A call runs ComfyUI's own (stock) forward instead
+of the pack's when:
+- gradients are enabled (a training node downstream: the pack's forwards are inference-only);
+- the call carries arguments the pack's forward does not know (a newer ComfyUI added one);
+- another node patched a submodule the pack's forward would bypass (`foreign_patch`);
+- the self-check for this kind of call failed.
+The self-check runs at the first call of each signature (module kind, the stock forwards' functions, layer
+types, dtypes, device, the patch hooks present in `transformer_options`, the node's settings): ComfyUI's
+forward and the pack's run on the first `CHECK_TOKENS` tokens of one batch item of the real inputs, with the
+head split forced even at that size, and their outputs are compared. Patch hooks present in
+`transformer_options["patches"]` are replaced by probes for the check (other nodes' hooks never run on check
+inputs): when ComfyUI's forward calls a hook the pack's does not, the outputs differ and the pack steps
+aside. So a ComfyUI release that keeps the math keeps the savings, and one that changes it (a new hook, a new
+norm, a new argument) runs stock, with one log line, never with other numbers.
+
+Verdicts are kept for the process, keyed by the function objects (an edited or reloaded ComfyUI is checked
+again). The cost is one stock and one patched forward of a few hundred tokens per signature: next to a
+sampling step of a long sequence, nothing.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from ..qkv_core.notices import notice_once
+
+CHECK_TOKENS = 256
+# Relative tolerance of the self-check, on the part of the output the module adds (see `compare`): float32
+# round-off of the pack's reordered sums is ~1e-6; a change of math moves the result by far more than these.
+CHECK_RTOL = {torch.float64: 1e-6, torch.float32: 1e-4}
+CHECK_RTOL_16BIT = 2e-2
+
+_OURS = "_qkv_patch"
+_local = threading.local()
+_verdicts: dict = {}           # signature -> None (passed) or the reason it failed
+_function_verdicts: dict = {}  # a stock forward function -> True while every check of it passed
+
+
+def mark_ours(fn: Callable) -> Callable:
+    """Tag a forward as this pack's (so a re-applied node finds and replaces it, and it is never taken for
+    another node's patch)."""
+    setattr(fn, _OURS, True)
+    return fn
+
+
+def is_ours(obj) -> bool:
+    return bool(getattr(obj, _OURS, False))
+
+
+def stock_forward(module) -> Callable:
+    """ComfyUI's own forward of `module`: its class's, bound (whatever instance patch is installed)."""
+    return type(module).forward.__get__(module)
+
+
+def foreign_forward(module) -> bool:
+    """Does `module` carry a forward installed by another node (an object patch that is not ours and not
+    ComfyUI's restored bound method)?"""
+    patched = getattr(module, "__dict__", {}).get("forward")
+    if patched is None or is_ours(patched):
+        return False
+    return getattr(patched, "__func__", None) is not type(module).forward
+
+
+def forget_verdicts() -> None:
+    """Drop every cached self-check verdict (tests)."""
+    _verdicts.clear()
+    _function_verdicts.clear()
+
+
+def all_checked(functions) -> bool:
+    """Has every one of these stock forward functions passed a self-check in this process (and none failed)?"""
+    return all(_function_verdicts.get(fn) is True for fn in functions)
+
+
+def _in_reference() -> bool:
+    return getattr(_local, "reference", 0) > 0
+
+
+class _Reference:
+    """While ComfyUI's forward computes a check's reference, the pack's forwards inside it run stock too."""
+
+    def __enter__(self):
+        _local.reference = getattr(_local, "reference", 0) + 1
+
+    def __exit__(self, *exc):
+        _local.reference -= 1
+
+
+def probe_options(transformer_options: dict) -> dict:
+    """A copy of `transformer_options` whose patch hooks are replaced by probes: each returns its input's
+    `x` scaled by a factor of its own, so a forward that calls a hook gives a visibly different result, and
+    another node's hook never runs on check inputs."""
+    patches = transformer_options.get("patches")
+    if not patches:
+        return transformer_options
+    probed = {}
+    for index, (name, hooks) in enumerate(sorted(patches.items())):
+        factor = 0.5 + 0.125 * index
+
+        def probe(args, *rest, _factor=factor, **kwargs):
+            if isinstance(args, dict) and torch.is_tensor(args.get("x")):
+                return args["x"] * _factor
+            return args
+        probed[name] = [probe] * len(hooks) if isinstance(hooks, (list, tuple)) else probe
+    return {**transformer_options, "patches": probed}
+
+
+def compare(stock, ours, base: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when `ours` equals `stock` to round-off, else why not. Tensors or tuples of tensors. `base`: the
+    module's input when its output is input + update (a block): the tolerance is relative to the update, so
+    a changed update is not hidden behind a large residual. 16-bit outputs are allowed their own rounding."""
+    if isinstance(stock, (tuple, list)):
+        if not isinstance(ours, (tuple, list)) or len(ours) != len(stock):
+            return "the outputs have another structure"
+        for a, b in zip(stock, ours):
+            reason = compare(a, b)
+            if reason:
+                return reason
+        return None
+    if not torch.is_tensor(ours) or ours.shape != stock.shape or ours.dtype != stock.dtype:
+        return (f"the output is {getattr(ours, 'shape', type(ours))} {getattr(ours, 'dtype', '')}, ComfyUI's "
+                f"{tuple(stock.shape)} {stock.dtype}")
+    if not bool(torch.isfinite(stock).all()):
+        return "ComfyUI's own output is not finite on the check input: nothing to compare against"
+    stock64, ours64 = stock.double(), ours.double()
+    update = stock64 if base is None or base.shape != stock.shape else stock64 - base.double()
+    difference = float((ours64 - stock64).norm())
+    if stock.dtype in CHECK_RTOL:
+        allowed = CHECK_RTOL[stock.dtype] * float(update.norm())
+    else:
+        allowed = CHECK_RTOL_16BIT * float(update.norm()) + torch.finfo(stock.dtype).eps * float(stock64.norm())
+    if not difference <= allowed:
+        relative = difference / max(float(update.norm()), 1e-30)
+        return f"the outputs differ (relative difference {relative:.3g})"
+    return None
+
+
+def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None) -> Optional[str]:
+    """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` equals
+    `run_stock()` (see `compare`), else the reason. `functions`: the stock forward functions the verdict is
+    about (their overall record feeds `all_checked`)."""
+    if signature in _verdicts:
+        return _verdicts[signature]
+    try:
+        with torch.no_grad():
+            with _Reference():
+                stock = run_stock()
+            ours = run_ours()
+            reason = compare(stock, ours, base)
+    except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, never a crash
+        reason = f"the check raised {type(error).__name__}: {error}"
+    _verdicts[signature] = reason
+    for fn in functions:
+        _function_verdicts[fn] = _function_verdicts.get(fn, True) and reason is None
+    return reason
+
+
+def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check: Callable) -> Callable:
+    """The forward the pack installs: `ours(*args, **kwargs)`, or `stock(...)` when `refuse(args, kwargs)`
+    gives a reason or `check(args, kwargs)` (the cached self-check) does. Each reason is logged once a run
+    (`what` says which module)."""
+
+    def forward(*args, **kwargs):
+        if _in_reference():
+            return stock(*args, **kwargs)
+        reason = None
+        if torch.is_grad_enabled():
+            reason = "gradients are enabled (the pack's forwards are for inference)"
+        if reason is None:
+            reason = refuse(args, kwargs)
+        if reason is None:
+            reason = check(args, kwargs)
+        if reason is not None:
+            notice_once(f"stock:{what}:{reason}", f"[QKV] {what} runs as ComfyUI's own: {reason}")
+            return stock(*args, **kwargs)
+        return ours(*args, **kwargs)
+
+    return mark_ours(forward)
+
+
+def check_tokens(tokens: int) -> int:
+    return min(tokens, CHECK_TOKENS)
+
+
+def head(t, tokens: int, batch_dim_matches: bool = True):
+    """One batch item's first `tokens` tokens of `(B, N, ...)`, as a fresh tensor."""
+    if not torch.is_tensor(t):
+        return t
+    t = t[:1] if batch_dim_matches else t
+    return t[:, :tokens].clone()
+
+
+__all__ = ["guarded", "self_check", "compare", "probe_options", "mark_ours", "is_ours", "stock_forward",
+           "foreign_forward", "forget_verdicts", "all_checked", "check_tokens", "head", "CHECK_TOKENS"]

@@ -1,0 +1,332 @@
+"""Living with ComfyUI releases and with the other nodes of a workflow (real ComfyUI, tiny Wan models).
+
+- The behavioural self-check: an edit of ComfyUI's forward that keeps the math keeps the patch (and the
+  split); one that changes the math runs ComfyUI's forward, with one log line.
+- Other nodes' hooks (`attn1_patch`, `attn2_patch`, `double_block`) and object patches (on a block's
+  self_attn, cross_attn or the block itself), in both orders: the result equals stock with the same patches.
+- The node applied twice replaces its own patch; a forced backend says that an override is unused; gradients
+  run stock; a weight format the pack does not know (GGUF) runs as ComfyUI runs it.
+Every test here passes on each ComfyUI version (hooks that a version does not call are ignored by stock and
+by the pack alike).
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: above the split floor
+SMALL = dict(frames=2, h=16, w=24, batch=2)  # 2 x 192 tokens: semantics only (the self-check splits anyway)
+MODEL = dict(dim=256, heads=8, layers=1)
+
+
+@pytest.fixture(scope="module")
+def env():
+    comfy_env.require_comfyui()
+    import torch
+    pack = comfy_env.load_pack()
+    return SimpleNamespace(torch=torch, pack=pack,
+                           node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
+                           compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
+                           core=importlib.import_module(pack.__name__ + ".qkv_core"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(env):
+    env.compat.forget_verdicts()
+    env.core.reset_notices()
+    yield
+    env.compat.forget_verdicts()
+
+
+def inputs(patcher, kind="t2v", **size):
+    return comfy_env.make_inputs(patcher.model, kind, **(size or SIZE))
+
+
+def forward(patcher, applied=None, kind="t2v", **size):
+    import torch
+    target = applied if applied is not None else patcher
+    target.patch_model(load_weights=False)
+    try:
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**inputs(patcher, kind, **size))
+    finally:
+        target.unpatch_model(unpatch_weights=False)
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class SelfHeads:
+    """Head counts of the long self-attention SDPA calls (the split really ran when they are small)."""
+
+    def __init__(self, torch):
+        self.torch, self.heads = torch, []
+
+    def __enter__(self):
+        torch, recorder = self.torch, self
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    q, k = args[0], args[1]
+                    if q.shape[2] == k.shape[2] and q.shape[2] > 256:
+                        recorder.heads.append(q.shape[1])
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+# --- the self-check -------------------------------------------------------------------------------------
+def _rewritten_self_attention(torch, wan_model, scale_q=1.0):
+    """WanSelfAttention.forward written another way (v first, one helper): the same math when scale_q=1."""
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+
+    def forward(self, x, freqs, transformer_options={}):
+        b, s = x.shape[:2]
+        v = self.v(x)
+        rotated = [wan_model.apply_rope1(norm(proj(x)).view(b, s, self.num_heads, self.head_dim), freqs)
+                   for proj, norm in ((self.q, self.norm_q), (self.k, self.norm_k))]
+        q, k = rotated[0] * scale_q, rotated[1]
+        out = attention.optimized_attention(q.view(b, s, -1), k.view(b, s, -1), v, heads=self.num_heads,
+                                            transformer_options=transformer_options)
+        return self.o(out)
+    return forward
+
+
+@pytest.mark.parametrize("scale_q,kept", [(1.0, True), (1.25, False)], ids=["same-math", "changed-math"])
+def test_an_edited_comfyui_forward_is_judged_by_its_math(env, monkeypatch, caplog, scale_q, kept):
+    torch = env.torch
+    import comfy.ldm.wan.model as wan_model
+    monkeypatch.setattr(wan_model.WanSelfAttention, "forward",
+                        _rewritten_self_attention(torch, wan_model, scale_q))
+    base = comfy_env.make_wan("t2v", **MODEL)
+    reference = forward(base)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", False)
+    assert "diffusion_model.blocks.0.self_attn.forward" in patched.object_patches   # structure probes clean
+    caplog.set_level(logging.INFO)
+    with SelfHeads(torch) as spy:
+        out = forward(base, patched)
+    assert rel_err(out, reference) <= 1e-5
+    runs_stock = "Wan self-attention runs as ComfyUI's own: the outputs differ" in caplog.text
+    assert runs_stock != kept
+    assert set(spy.heads) == ({1} if kept else {8})   # High: 8 groups of 1 head; stock: all 8 at once
+    if not kept:
+        assert caplog.text.count("Wan self-attention runs as ComfyUI's own") == 1
+
+
+def test_a_changed_block_runs_stock(env, monkeypatch, caplog):
+    """A block whose math changed (here: no cross-attention) runs ComfyUI's block; its attention modules
+    keep the pack's forwards (they passed their own check)."""
+    import comfy.ldm.wan.model as wan_model
+    original = wan_model.WanAttentionBlock.forward
+
+    def no_cross_attention(self, x, e, freqs, context, context_img_len=257, transformer_options={}):
+        return original(self, x, e, freqs, context * 0, context_img_len, transformer_options=transformer_options)
+    monkeypatch.setattr(wan_model.WanAttentionBlock, "forward", no_cross_attention)
+    base = comfy_env.make_wan("t2v", **MODEL)
+    reference = forward(base)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    caplog.set_level(logging.INFO)
+    with SelfHeads(env.torch) as spy:
+        out = forward(base, patched)
+    assert rel_err(out, reference) <= 1e-5
+    assert "Wan block runs as ComfyUI's own: the outputs differ" in caplog.text
+    assert set(spy.heads) == {1}   # self-attention still split inside the stock block
+
+
+def test_the_check_is_cached_and_cheap(env):
+    """One check per kind of call: later calls and later runs reuse the verdict."""
+    base = comfy_env.make_wan("t2v", **MODEL)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    forward(base, patched)
+    verdicts = dict(env.compat._verdicts)
+    assert verdicts and all(reason is None for reason in verdicts.values())
+    forward(base, patched)
+    assert env.compat._verdicts == verdicts
+
+
+# --- other nodes' hooks -----------------------------------------------------------------------------------
+def _hooks(torch, calls):
+    def attn1(args):
+        calls.append(("attn1", args["x"].shape[1]))
+        return args["x"] * 0.75 + 0.01
+
+    def attn2(args):
+        calls.append(("attn2", args["x"].shape[1]))
+        return args["x"] * 0.9
+
+    def double_block(args):
+        calls.append(("double_block", args["img"].shape[1]))
+        return {"img": args["img"] * 0.95}
+    return {"attn1_patch": attn1, "attn2_patch": attn2, "double_block": double_block}
+
+
+@pytest.mark.parametrize("hooks", [("attn1_patch",), ("attn2_patch",), ("double_block",),
+                                   ("attn1_patch", "attn2_patch", "double_block")],
+                         ids=["attn1", "attn2", "double_block", "all"])
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_other_nodes_hooks_are_honoured(env, hooks, block):
+    torch = env.torch
+    base = comfy_env.make_wan("t2v", **MODEL)
+    stock_calls, ours_calls = [], []
+    stock = base.clone()
+    for name in hooks:
+        stock.set_model_patch(_hooks(torch, stock_calls)[name], name)
+    reference = forward(base, stock, **SMALL)
+    hooked = base.clone()
+    for name in hooks:
+        hooked.set_model_patch(_hooks(torch, ours_calls)[name], name)
+    patched, _ = env.node.apply_patch(hooked, "High", "sdpa", block)
+    out = forward(base, patched, **SMALL)
+    assert rel_err(out, reference) <= 1e-5
+    assert ours_calls == stock_calls   # each hook ran as often as stock runs it, never on check inputs
+
+
+# --- other nodes' object patches, both orders ------------------------------------------------------------
+def _foreign(module):
+    """What KJNodes-style nodes install: a forward of their own on the module (here: stock, scaled)."""
+    def forward(*args, **kwargs):
+        out = type(module).forward(module, *args, **kwargs)
+        return out * 0.5
+    return forward
+
+
+@pytest.mark.parametrize("target", ["self_attn", "cross_attn", "block"])
+@pytest.mark.parametrize("order", ["theirs-first", "ours-first"])
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_other_nodes_object_patches_are_kept(env, target, order, block):
+    base = comfy_env.make_wan("t2v", **MODEL)
+    module = base.model.diffusion_model.blocks[0]
+    module = module if target == "block" else getattr(module, target)
+    key = "diffusion_model.blocks.0." + ("forward" if target == "block" else f"{target}.forward")
+    theirs = base.clone()
+    theirs.add_object_patch(key, _foreign(module))
+    reference = forward(base, theirs, **SMALL)
+    if order == "theirs-first":
+        patched, report = env.node.apply_patch(theirs, "High", "sdpa", block)
+        if target != "block" or block:
+            assert any("another node patched" in line for line in report.lines())
+    else:
+        patched, _ = env.node.apply_patch(base, "High", "sdpa", block)
+        patched.add_object_patch(key, _foreign(module))
+    assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
+
+
+# --- the node in a chain ----------------------------------------------------------------------------------
+def test_a_reapplied_node_replaces_its_own_patch(env):
+    import comfy.patcher_extension
+    outer = comfy.patcher_extension.WrappersMP.OUTER_SAMPLE
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    once, _ = env.node.apply_patch(base, "High", "auto", True)
+    twice, report = env.node.apply_patch(once, "Low", "auto", True)
+    assert set(twice.object_patches) == set(once.object_patches)
+    assert len(twice.get_wrappers(outer, env.node.WRAPPER_KEY)) == 1
+    assert any("already patched by this node" in line for line in report.lines())
+    stock_factor = base.model.memory_usage_factor
+    seen = []
+
+    def probe(executor, *args, **kwargs):
+        seen.append(executor.class_obj.model_patcher.model.memory_usage_factor / stock_factor)
+        return executor(*args, **kwargs)
+    twice.add_wrapper_with_key(outer, "zz_probe", probe)
+    for _ in range(2):
+        comfy_env.run_sample(twice, frames=3, h=8, w=8, steps=1)
+    assert seen == [pytest.approx(1.0), pytest.approx(env.node.MEMORY_FACTOR_BLOCK_UNSPLIT)]  # scaled once
+
+
+def test_a_forced_backend_says_the_override_is_unused(env, caplog):
+    """Another node's `optimized_attention_override`: `auto` chains it (every head group goes through it);
+    a forced backend runs its own kernel and says so in the log."""
+    base = comfy_env.make_wan("t2v", **MODEL)
+    size = dict(frames=2, h=32, w=24, steps=1)    # 384 tokens (the self-check runs on 256)
+    calls = []
+
+    def override(func, *args, **kwargs):
+        if args[0].shape[1] == 384:
+            calls.append(func.__name__)
+        return func(*args, **kwargs)
+    with_override = base.clone()
+    with_override.model_options["transformer_options"]["optimized_attention_override"] = override
+    reference = comfy_env.run_sample(with_override, **size)
+    stock_calls = len(calls)
+    assert stock_calls > 0
+    caplog.set_level(logging.INFO)
+    forced, _ = env.node.apply_patch(with_override, "High", "sdpa", True)
+    del calls[:]
+    assert rel_err(comfy_env.run_sample(forced, **size), reference) <= 1e-4
+    assert not calls
+    assert "attention_backend=sdpa runs its own kernel: the attention override another node set is not used" \
+        in caplog.text
+    auto, _ = env.node.apply_patch(with_override, "High", "auto", True)
+    assert rel_err(comfy_env.run_sample(auto, **size), reference) <= 1e-5
+    assert calls    # chained through ComfyUI's dispatcher
+
+
+def test_gradients_run_stock(env, caplog):
+    """A training node downstream: with grad enabled the patched model runs ComfyUI's forwards."""
+    torch = env.torch
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    size = dict(frames=2, h=8, w=8, batch=1)
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
+    caplog.set_level(logging.INFO)
+    for applied in (base, patched):
+        applied.patch_model(load_weights=False)
+        try:
+            with torch.enable_grad():
+                kwargs = inputs(base, **size)
+                kwargs["x"].requires_grad_(True)
+                out = base.model.diffusion_model(**kwargs)
+                if applied is base:
+                    reference = out
+        finally:
+            applied.unpatch_model(unpatch_weights=False)
+    assert out.requires_grad and torch.equal(out.detach(), reference.detach())
+    assert "runs as ComfyUI's own: gradients are enabled" in caplog.text
+
+
+def test_a_notice_is_logged_once_per_run(env, caplog):
+    """A projection the runtime cannot split says so once a run (not once by the runtime and again by the
+    run report)."""
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
+    ops = env.pack.nodes.comfy_ops
+    original = ops.ComfyLinearRows.__init__
+
+    def refuse(self, linear):
+        original(self, linear)
+        self._reason = "test: a weight without rows"
+    caplog.set_level(logging.INFO)
+    ops.ComfyLinearRows.__init__ = refuse
+    try:
+        for _ in range(2):
+            comfy_env.run_sample(patched, frames=3, h=64, w=88, steps=2)
+    finally:
+        ops.ComfyLinearRows.__init__ = original
+    assert caplog.text.count("Head Split is not applied") == 2   # once in each of the two runs
+
+
+# --- weight formats the pack does not know -----------------------------------------------------------------
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_gguf_weights_run_as_comfyui_runs_them(env, qtype, block):
+    """city96/ComfyUI-GGUF layers (their cast returns raw quantized blocks): the patched model runs them
+    through the layer itself and equals the stock GGUF model (it crashed with a shape error before)."""
+    import gguf_env
+    gguf_env.require_gguf()
+    base = gguf_env.make_gguf_wan(qtype, "t2v", layers=1)
+    size = dict(frames=3, h=16, w=16, batch=2)
+    reference = forward(base, **size)
+    patched, _ = env.node.apply_patch(base, "High", "auto", block)
+    assert rel_err(forward(base, patched, **size), reference) <= 1e-5
