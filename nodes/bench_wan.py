@@ -105,8 +105,8 @@ def rope_freqs(grid, tokens: int, device, dtype, head_dim: int = HEAD_DIM) -> to
 @contextlib.contextmanager
 def patched_attention(block, config):
     """The adapter's attention forwards as instance attributes (as ComfyUI's object patches set them)."""
-    block.self_attn.forward = wan.patched_self_attention_forward(block.self_attn, config)
-    block.cross_attn.forward = wan.patched_cross_attention_forward(block.cross_attn, config)
+    block.self_attn.forward = wan.self_attention_forward(block.self_attn, config)
+    block.cross_attn.forward = wan.cross_attention_forward(block.cross_attn, config)
     try:
         yield
     finally:
