@@ -81,8 +81,14 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
             del v
 
 
-def build_block(device, dtype, seed: int) -> torch.nn.Module:
-    settings = {"operations": comfy.ops.disable_weight_init, "device": device, "dtype": dtype}
+WEIGHT_DTYPES = {"same": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def build_block(device, dtype, seed: int, weight_dtype=None) -> torch.nn.Module:
+    """The block with `dtype` weights, or `weight_dtype` (fp8) weights cast to `dtype` per call by ComfyUI's
+    manual-cast ops (what `weight_dtype fp8_e4m3fn` in the diffusion model loader gives)."""
+    operations = comfy.ops.disable_weight_init if weight_dtype is None else comfy.ops.manual_cast
+    settings = {"operations": operations, "device": device, "dtype": weight_dtype or dtype}
     block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True, cross_attn_norm=True,
                                         eps=EPS, operation_settings=settings)
     fill_random_(block, seed)
@@ -160,6 +166,9 @@ def make_workload(bench):
                                 help="comfyui workload: the attention backend of the qkv methods (default sdpa)")
             parser.add_argument("--no-parts", action="store_true",
                                 help="comfyui workload: skip the stock per-part peaks")
+            parser.add_argument("--weight-dtype", choices=sorted(WEIGHT_DTYPES), default="same",
+                                help="comfyui workload: store the block's weights in this dtype, cast per call "
+                                     "by ComfyUI's manual-cast ops (default: the compute dtype)")
 
         def cases(self, args):
             return bench.WORKLOADS["wan-self-attention"].cases(args)
@@ -183,7 +192,7 @@ def make_workload(bench):
                     f"{CHUNK_MIN_TOKENS} -> {max(1, math.ceil(CHUNK_MIN_TOKENS / scale))} tokens."]
 
         def setup(self, case, device, dtype, args):
-            block = build_block(device, dtype, args.seed)
+            block = build_block(device, dtype, args.seed, WEIGHT_DTYPES[args.weight_dtype])
             generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
             x0 = torch.randn(1, case.tokens, WIDTH, generator=generator).to(device=device, dtype=dtype)
             e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to(device=device, dtype=dtype)
@@ -216,7 +225,8 @@ def make_workload(bench):
             notes = [f"ComfyUI {self.version}; attention: comfy.ldm.modules.attention.optimized_attention = "
                      f"{getattr(comfy_attention.optimized_attention, '__name__', '?')}; apply_rope1: "
                      f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')} ({kitchen_note()}); qkv backend "
-                     f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB"]
+                     f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB ({args.weight_dtype}"
+                     f"{'' if args.weight_dtype == 'same' else ', manual cast'})"]
             extras = None
             if not args.no_parts:
                 def extras():

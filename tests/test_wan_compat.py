@@ -330,3 +330,37 @@ def test_gguf_weights_run_as_comfyui_runs_them(env, qtype, block):
     reference = forward(base, **size)
     patched, _ = env.node.apply_patch(base, "High", "auto", block)
     assert rel_err(forward(base, patched, **size), reference) <= 1e-5
+
+
+def _fp8_wan(torch):
+    """Tiny Wan stored in fp8_e4m3fn and computed in float32, as ComfyUI's diffusion model loader with
+    `weight_dtype fp8_e4m3fn` makes it (manual-cast ops: each layer casts its weight per call)."""
+    import comfy.model_patcher
+    cls, cfg = comfy_env._wan_config("t2v", MODEL["dim"], MODEL["heads"], MODEL["layers"], None, 32, 1, {})
+    model_config = cls(cfg)
+    model_config.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    model.eval()
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"),
+                                               offload_device=torch.device("cpu"))
+    patcher.comfy_env_kind = "t2v"
+    return patcher
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_fp8_stored_weights_split_and_equal_stock(env, block):
+    """fp8 weights cast per call: the cast weight's rows are exact, so the head split runs (it ran whole
+    before) and the result equals stock's."""
+    torch = env.torch
+    base = _fp8_wan(torch)
+    q = base.model.diffusion_model.blocks[0].self_attn.q
+    assert q.weight.dtype == torch.float8_e4m3fn and q.comfy_cast_weights
+    size = dict(frames=3, h=64, w=88, steps=1)   # cond + uncond: 2 x 4,224 tokens
+    reference = comfy_env.run_sample(base, **size)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", block)
+    assert not report.skipped_reasons, report.lines()
+    with SelfHeads(torch) as spy:
+        out = comfy_env.run_sample(patched, **size)
+    assert rel_err(out, reference) <= 1e-5
+    assert set(spy.heads) == {1}
