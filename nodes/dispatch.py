@@ -30,9 +30,22 @@ def backend_choices() -> list[str]:
     return [AUTO, COMFY] + backend_names()
 
 
+# ComfyUI's attention functions that a user picks by a command-line flag (--use-sage-attention,
+# --use-flash-attention, --use-ck-attention, xformers): with `auto`, the pack keeps that choice.
+USER_CHOSEN_KERNELS = {"attention_sage", "attention3_sage", "attention_flash", "attention_xformers",
+                       "attention_comfy_kitchen_int8"}
+
+
+def comfy_kernel_chosen() -> bool:
+    """Did the user ask ComfyUI for a specific attention kernel (a flag), rather than its default?"""
+    return getattr(comfy_attention.optimized_attention, "__name__", "") in USER_CHOSEN_KERNELS
+
+
 def uses_comfy_dispatch(config, transformer_options) -> bool:
-    return config.backend == COMFY or (config.backend == AUTO and
-                                       "optimized_attention_override" in transformer_options)
+    """ComfyUI's dispatcher for `comfy`; for `auto` too when another node set an attention override or the
+    user picked a kernel with ComfyUI's flags (both are kept as they are)."""
+    return config.backend == COMFY or (config.backend == AUTO and (
+        "optimized_attention_override" in transformer_options or comfy_kernel_chosen()))
 
 
 def comfy_attend(q, k, v, transformer_options, **dispatch_kwargs):

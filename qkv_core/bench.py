@@ -537,7 +537,7 @@ def _torchvision_stub_if_missing() -> bool:
     return True
 
 
-def setup_comfyui(root: Path, device: torch.device) -> list:
+def setup_comfyui(root: Path, device: torch.device, flags=()) -> list:
     """Makes ComfyUI at `root` importable and imports `comfy.model_management`. Without CUDA (or with a CPU
     `--device`) ComfyUI runs in its CPU mode with its PyTorch (SDPA) attention, flags set before
     `comfy.model_management` reads them; on CUDA its own defaults stay (SDPA on NVIDIA). Returns notes."""
@@ -556,6 +556,12 @@ def setup_comfyui(root: Path, device: torch.device) -> list:
         comfy.cli_args.args.cpu = True
         comfy.cli_args.args.use_pytorch_cross_attention = True
         notes.append("ComfyUI flags: --cpu --use-pytorch-cross-attention")
+    for flag in flags:   # ComfyUI's command-line flags, e.g. use_ck_attention for --use-ck-attention
+        name = flag.lstrip("-").replace("-", "_")
+        if not hasattr(comfy.cli_args.args, name):
+            raise SystemExit(f"--comfy-flag: this ComfyUI has no flag {flag!r}")
+        setattr(comfy.cli_args.args, name, True)
+        notes.append(f"ComfyUI flag: --{name.replace('_', '-')}")
     importlib.import_module("comfy.model_management")
     return notes
 
@@ -569,7 +575,7 @@ def _package(name: str, path: Path) -> types.ModuleType:
     return module
 
 
-def load_comfyui_workload(path: Optional[str], device: torch.device) -> Workload:
+def load_comfyui_workload(path: Optional[str], device: torch.device, flags=()) -> Workload:
     """Sets ComfyUI up (`setup_comfyui`) and loads `nodes/bench_wan.py` as `<PACK_PACKAGE>.nodes.bench_wan`.
 
     The pack's root and `nodes` packages are made as empty package objects with the right `__path__`, so
@@ -580,7 +586,7 @@ def load_comfyui_workload(path: Optional[str], device: torch.device) -> Workload
     if not COMFYUI_WORKLOAD_FILE.is_file():
         raise SystemExit(f"--comfyui needs the repository checkout (no {COMFYUI_WORKLOAD_FILE})")
     root = find_comfyui(path)
-    notes = setup_comfyui(root, device)
+    notes = setup_comfyui(root, device, flags)
     if PACK_PACKAGE not in sys.modules:
         pack = _package(PACK_PACKAGE, PACK_ROOT)
         _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
@@ -613,6 +619,9 @@ def _comfyui_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--comfyui", nargs="?", const="", default=None, metavar="PATH",
                         help="benchmark ComfyUI's own Wan 2.x 14B block (WanAttentionBlock) stock against the pack's "
                              "adapter; ComfyUI from PATH, else $COMFYUI_PATH, else above this repo, else ~/ComfyUI")
+    parser.add_argument("--comfy-flag", action="append", default=[], metavar="FLAG",
+                        help="with --comfyui: a ComfyUI command-line switch turned on before ComfyUI is imported, "
+                             "e.g. --comfy-flag use-ck-attention (repeatable)")
 
 
 def parse_args(argv=None):
@@ -622,7 +631,7 @@ def parse_args(argv=None):
     pre.add_argument("--device", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.comfyui is not None:
-        workload = load_comfyui_workload(known.comfyui or None, _device(known.device))
+        workload = load_comfyui_workload(known.comfyui or None, _device(known.device), known.comfy_flag)
         WORKLOADS[workload.name] = workload
 
     parser = argparse.ArgumentParser(prog="python -m qkv_core.bench", description=__doc__.split("\n")[0])

@@ -364,3 +364,26 @@ def test_fp8_stored_weights_split_and_equal_stock(env, block):
         out = comfy_env.run_sample(patched, **size)
     assert rel_err(out, reference) <= 1e-5
     assert set(spy.heads) == {1}
+
+
+def test_auto_keeps_the_kernel_chosen_with_comfyui_flags(env, monkeypatch):
+    """`--use-sage-attention`, `--use-ck-attention` and friends set ComfyUI's global attention function; with
+    `auto` the pack's head groups go through it (here a stand-in named like ComfyUI's int8 kernel)."""
+    import comfy.ldm.modules.attention as comfy_attention
+    stock_kernel = comfy_attention.optimized_attention
+    calls = []
+
+    def attention_comfy_kitchen_int8(q, k, v, heads, *args, **kwargs):
+        calls.append(heads)
+        return stock_kernel(q, k, v, heads, *args, **kwargs)
+    base = comfy_env.make_wan("t2v", **MODEL)
+    reference = forward(base)
+    monkeypatch.setattr(comfy_attention, "optimized_attention", attention_comfy_kitchen_int8)
+    patched, _ = env.node.apply_patch(base, "High", "auto", False)
+    out = forward(base, patched)
+    assert rel_err(out, reference) <= 1e-5
+    assert 1 in calls      # High: head groups of one head went through the user's kernel
+    del calls[:]
+    forced, _ = env.node.apply_patch(base, "High", "sdpa", False)
+    forward(base, forced)
+    assert 1 not in calls  # a forced backend runs its own kernel
