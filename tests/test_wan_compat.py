@@ -50,12 +50,16 @@ def inputs(patcher, kind="t2v", **size):
 
 
 def forward(patcher, applied=None, kind="t2v", **size):
+    """The diffusion model's output with `applied`'s object patches in place and its transformer_options
+    (other nodes' hooks) passed as ComfyUI passes them."""
     import torch
     target = applied if applied is not None else patcher
     target.patch_model(load_weights=False)
     try:
+        kwargs = inputs(patcher, kind, **size)
+        kwargs["transformer_options"] = dict(target.model_options.get("transformer_options", {}))
         with torch.no_grad():
-            return patcher.model.diffusion_model(**inputs(patcher, kind, **size))
+            return patcher.model.diffusion_model(**kwargs)
     finally:
         target.unpatch_model(unpatch_weights=False)
 
@@ -192,6 +196,8 @@ def test_other_nodes_hooks_are_honoured(env, hooks, block):
     out = forward(base, patched, **SMALL)
     assert rel_err(out, reference) <= 1e-5
     assert ours_calls == stock_calls   # each hook ran as often as stock runs it, never on check inputs
+    if comfy_env.version_tuple() >= (0, 33):
+        assert stock_calls   # this ComfyUI calls these hooks: the comparison is not vacuous
 
 
 # --- other nodes' object patches, both orders ------------------------------------------------------------
@@ -387,3 +393,63 @@ def test_auto_keeps_the_kernel_chosen_with_comfyui_flags(env, monkeypatch):
     forced, _ = env.node.apply_patch(base, "High", "sdpa", False)
     forward(base, forced)
     assert 1 not in calls  # a forced backend runs its own kernel
+
+
+def _container_self_attention(wan_model, attention):
+    """WanSelfAttention.forward as newer ComfyUI (0.35+) writes it: q/k/v handed to attention in
+    `AttentionTensorContainer`s (single owner: the backend may free them), attn1_patch after attention."""
+    def forward(self, x, freqs, transformer_options={}):
+        patches = transformer_options.get("patches", {})
+        b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
+        q = wan_model.apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs)
+        k = wan_model.apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs)
+        q_patch, k_patch = q, k
+        x = attention.optimized_attention(attention.AttentionTensorContainer(q.view(b, s, n * d)),
+                                          attention.AttentionTensorContainer(k.view(b, s, n * d)),
+                                          attention.AttentionTensorContainer(self.v(x).view(b, s, n * d)),
+                                          heads=self.num_heads, transformer_options=transformer_options)
+        for p in patches.get("attn1_patch", ()):
+            x = p({"x": x, "q": q_patch, "k": k_patch, "transformer_options": transformer_options})
+        return self.o(x)
+    return forward
+
+
+def test_newer_comfyui_attention_layout_keeps_the_patch(env, monkeypatch):
+    """ComfyUI 0.35+ hands q/k/v to its dispatcher in AttentionTensorContainers: same math, so the
+    self-check keeps the pack's forward (and its split); the result equals that ComfyUI's own."""
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    if not hasattr(attention, "AttentionTensorContainer"):
+        pytest.skip("this ComfyUI has no AttentionTensorContainer")
+    import comfy.ldm.wan.model as wan_model
+    monkeypatch.setattr(wan_model.WanSelfAttention, "forward", _container_self_attention(wan_model, attention))
+    base = comfy_env.make_wan("t2v", **MODEL)
+    reference = forward(base)
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
+    with SelfHeads(env.torch) as spy:
+        out = forward(base, patched)
+    assert rel_err(out, reference) <= 1e-5
+    assert set(spy.heads) == {1}
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v", "vace"])
+def test_every_level_with_other_nodes_hooks(env, kind):
+    """T2V / I2V / VACE at every level, with another node's attn1_patch and double_block patch: equal to stock
+    with the same patches (ComfyUI versions that do not call a hook ignore it in both)."""
+    torch = env.torch
+    base = comfy_env.make_wan(kind, **MODEL)
+    stock_calls = []
+    hooked = base.clone()
+    for name in ("attn1_patch", "double_block"):
+        hooked.set_model_patch(_hooks(torch, stock_calls)[name], name)
+    size = dict(SIZE, batch=1)
+    reference = forward(base, hooked, kind=kind, **size)
+    expected_calls = list(stock_calls)
+    if comfy_env.version_tuple() >= (0, 33):   # older Wan code calls neither hook
+        assert {name for name, _ in expected_calls} == {"attn1", "double_block"}
+    for level in ("Off", "Low", "Medium", "High"):
+        for block in (False, True):
+            del stock_calls[:]
+            env.compat.forget_verdicts()
+            patched, _ = env.node.apply_patch(hooked, level, "sdpa", block)
+            assert rel_err(forward(base, patched, kind=kind, **size), reference) <= 1e-5, (level, block)
+            assert stock_calls == expected_calls
