@@ -467,6 +467,47 @@ def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, 
     return module
 
 
+def pack_modules():
+    """The pack loaded as ComfyUI loads it (skips without ComfyUI), with the modules the tests reach into:
+    `torch`, `pack`, `node` (nodes.patch_node), `wan`, `compat`, `core` (qkv_core)."""
+    require_comfyui()
+    import importlib
+    import torch
+    pack = load_pack()
+    return types.SimpleNamespace(torch=torch, pack=pack,
+                                 node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
+                                 wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
+                                 compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
+                                 core=importlib.import_module(pack.__name__ + ".qkv_core"))
+
+
+class SdpaHeads:
+    """Records the head count of every SDPA call (the group size actually attended); `self_heads`: those
+    of self-attention calls (as many keys as queries) longer than the self-check's few tokens, i.e. the
+    calls of the real run."""
+
+    def __init__(self, torch, check_tokens=256):
+        self.torch, self.check_tokens, self.heads, self.self_heads = torch, check_tokens, [], []
+
+    def __enter__(self):
+        torch, recorder = self.torch, self
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types=(), args=(), kwargs=None):
+                if func is torch.nn.functional.scaled_dot_product_attention:
+                    q, k = args[0], args[1]
+                    recorder.heads.append(q.shape[1])
+                    if q.shape[2] == k.shape[2] and q.shape[2] > recorder.check_tokens:
+                        recorder.self_heads.append(q.shape[1])
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 def _pack_dir(module):
     locs = getattr(getattr(module, "__spec__", None), "submodule_search_locations", None) or []
     return Path(list(locs)[0]).resolve() if locs else None

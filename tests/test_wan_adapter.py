@@ -23,13 +23,7 @@ KINDS = ("t2v", "i2v", "wan22_5b", "vace")
 
 @pytest.fixture(scope="module")
 def env():
-    comfy_env.require_comfyui()
-    import torch
-    pack = comfy_env.load_pack()
-    return SimpleNamespace(torch=torch, pack=pack,
-                           node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
-                           wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
-                           core=importlib.import_module(pack.__name__ + ".qkv_core"))
+    return comfy_env.pack_modules()
 
 
 def inputs(patcher, kind):
@@ -53,31 +47,7 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-class SdpaHeads:
-    """Records the head count of every SDPA call (the group size actually attended); `self_heads`: those
-    of self-attention calls (as many keys as queries) longer than the self-check's few tokens."""
-
-    def __init__(self, torch):
-        self.torch, self.heads, self.self_heads = torch, [], []
-
-    def __enter__(self):
-        torch = self.torch
-        recorder = self
-
-        class Mode(torch.overrides.TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func is torch.nn.functional.scaled_dot_product_attention:
-                    q, k = args[0], args[1]
-                    recorder.heads.append(q.shape[1])
-                    if q.shape[2] == k.shape[2] and q.shape[2] > 256:
-                        recorder.self_heads.append(q.shape[1])
-                return func(*args, **(kwargs or {}))
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+SdpaHeads = comfy_env.SdpaHeads
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from types import SimpleNamespace
 
 import pytest
 
@@ -28,13 +27,7 @@ MODEL = dict(dim=256, heads=8, layers=1)
 
 @pytest.fixture(scope="module")
 def env():
-    comfy_env.require_comfyui()
-    import torch
-    pack = comfy_env.load_pack()
-    return SimpleNamespace(torch=torch, pack=pack,
-                           node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
-                           compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
-                           core=importlib.import_module(pack.__name__ + ".qkv_core"))
+    return comfy_env.pack_modules()
 
 
 @pytest.fixture(autouse=True)
@@ -68,28 +61,7 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-class SelfHeads:
-    """Head counts of the long self-attention SDPA calls (the split really ran when they are small)."""
-
-    def __init__(self, torch):
-        self.torch, self.heads = torch, []
-
-    def __enter__(self):
-        torch, recorder = self.torch, self
-
-        class Mode(torch.overrides.TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func is torch.nn.functional.scaled_dot_product_attention:
-                    q, k = args[0], args[1]
-                    if q.shape[2] == k.shape[2] and q.shape[2] > 256:
-                        recorder.heads.append(q.shape[1])
-                return func(*args, **(kwargs or {}))
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+SdpaHeads = comfy_env.SdpaHeads
 
 
 # --- the self-check -------------------------------------------------------------------------------------
@@ -120,12 +92,12 @@ def test_an_edited_comfyui_forward_is_judged_by_its_math(env, monkeypatch, caplo
     patched, report = env.node.apply_patch(base, "High", "sdpa", False)
     assert "diffusion_model.blocks.0.self_attn.forward" in patched.object_patches   # structure probes clean
     caplog.set_level(logging.INFO)
-    with SelfHeads(torch) as spy:
+    with SdpaHeads(torch) as spy:
         out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
     runs_stock = "Wan self-attention runs as ComfyUI's own: the outputs differ" in caplog.text
     assert runs_stock != kept
-    assert set(spy.heads) == ({1} if kept else {8})   # High: 8 groups of 1 head; stock: all 8 at once
+    assert set(spy.self_heads) == ({1} if kept else {8})   # High: 8 groups of 1 head; stock: all 8 at once
     if not kept:
         assert caplog.text.count("Wan self-attention runs as ComfyUI's own") == 1
 
@@ -143,11 +115,11 @@ def test_a_changed_block_runs_stock(env, monkeypatch, caplog):
     reference = forward(base)
     patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
     caplog.set_level(logging.INFO)
-    with SelfHeads(env.torch) as spy:
+    with SdpaHeads(env.torch) as spy:
         out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
     assert "Wan block runs as ComfyUI's own: the outputs differ" in caplog.text
-    assert set(spy.heads) == {1}   # self-attention still split inside the stock block
+    assert set(spy.self_heads) == {1}   # self-attention still split inside the stock block
 
 
 def test_the_check_is_cached_and_cheap(env):
@@ -366,10 +338,10 @@ def test_fp8_stored_weights_split_and_equal_stock(env, block):
     reference = comfy_env.run_sample(base, **size)
     patched, report = env.node.apply_patch(base, "High", "sdpa", block)
     assert not report.skipped_reasons, report.lines()
-    with SelfHeads(torch) as spy:
+    with SdpaHeads(torch) as spy:
         out = comfy_env.run_sample(patched, **size)
     assert rel_err(out, reference) <= 1e-5
-    assert set(spy.heads) == {1}
+    assert set(spy.self_heads) == {1}
 
 
 def test_auto_keeps_the_kernel_chosen_with_comfyui_flags(env, monkeypatch):
@@ -425,10 +397,10 @@ def test_newer_comfyui_attention_layout_keeps_the_patch(env, monkeypatch):
     base = comfy_env.make_wan("t2v", **MODEL)
     reference = forward(base)
     patched, _ = env.node.apply_patch(base, "High", "auto", True)
-    with SelfHeads(env.torch) as spy:
+    with SdpaHeads(env.torch) as spy:
         out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
-    assert set(spy.heads) == {1}
+    assert set(spy.self_heads) == {1}
 
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v", "vace"])
@@ -453,3 +425,23 @@ def test_every_level_with_other_nodes_hooks(env, kind):
             patched, _ = env.node.apply_patch(hooked, level, "sdpa", block)
             assert rel_err(forward(base, patched, kind=kind, **size), reference) <= 1e-5, (level, block)
             assert stock_calls == expected_calls
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_quantized_tensor_weights_run_as_comfyui_runs_them(env, block):
+    """fp8-scaled checkpoints load as `QuantizedTensor` weights (per-tensor scale): those layers compute in
+    their own format, so the pack runs them through the layer (no split yet) and equals stock."""
+    torch = env.torch
+    quant_ops = pytest.importorskip("comfy.quant_ops")
+    if not getattr(quant_ops, "_CK_AVAILABLE", False):
+        pytest.skip("comfy_kitchen is not installed: no QuantizedTensor weights in this ComfyUI")
+    base = comfy_env.make_wan("t2v", **MODEL)
+    for name, module in base.model.diffusion_model.blocks.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and weight is not None and weight.dim() == 2:
+            module.weight = torch.nn.Parameter(
+                quant_ops.QuantizedTensor.from_float(weight.detach(), "TensorCoreFP8E4M3Layout"),
+                requires_grad=False)
+    reference = forward(base, **SMALL)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", block)
+    assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
