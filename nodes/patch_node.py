@@ -16,13 +16,15 @@ LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, H
 WRAPPER_KEY = "comfyui_qkv"
 
 # How much of ComfyUI's activation estimate (`memory_usage_factor`) a patched model still needs, by what
-# the run will really do. Measured peaks of a Wan 14B block on an H200 (docs/benchmarks.md), rounded up to
-# stay conservative: the bounded block with the head split running peaks at 0.32-0.37x stock (0.5 kept);
-# unsplit (level Off, a sequence under the split floor, or projections that cannot be computed by rows such
-# as fp8-scaled or GGUF weights) at 0.5-0.68x (0.85 kept). Attention patched alone leaves the stock FFN's
-# peak, the block's largest, and anything not verified yet in this process runs at ComfyUI's own estimate.
-MEMORY_FACTOR_BLOCK = 0.5
-MEMORY_FACTOR_BLOCK_UNSPLIT = 0.85
+# the run will really do. ComfyUI fills the card with weights up to its estimate, so a patched run peaks no
+# higher than stock only if factor >= 1 - (1 - r) * A / E, where r is the pack's share of stock's real
+# activation memory and A / E stock's real use over ComfyUI's estimate. Measured on an H200 (v0.8.0, a whole
+# Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; docs/benchmarks.md): A / E = 0.93, r = 0.55
+# with the head split running (a block alone: 0.30-0.33, the rest is the model around the blocks and
+# ComfyUI's weight streaming), r = 0.84 without it. Hence 0.6 and 0.9. Attention patched alone leaves the
+# stock FFN's peak (1.0), and anything not verified yet in this process runs at ComfyUI's own estimate.
+MEMORY_FACTOR_BLOCK = 0.6
+MEMORY_FACTOR_BLOCK_UNSPLIT = 0.9
 
 
 def memory_factor(config: QKVConfig, adapter=None, diffusion_model=None, latent_shape=None,
