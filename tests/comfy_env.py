@@ -469,13 +469,14 @@ def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, 
 
 def pack_modules():
     """The pack loaded as ComfyUI loads it (skips without ComfyUI), with the modules the tests reach into:
-    `torch`, `pack`, `node` (nodes.patch_node), `wan`, `compat`, `core` (qkv_core)."""
+    `torch`, `pack`, `node` (nodes.patching: apply_patch and the memory factors), `wan`, `compat`,
+    `core` (qkv_core)."""
     require_comfyui()
     import importlib
     import torch
     pack = load_pack()
     return types.SimpleNamespace(torch=torch, pack=pack,
-                                 node=importlib.import_module(pack.__name__ + ".nodes.patch_node"),
+                                 node=importlib.import_module(pack.__name__ + ".nodes.patching"),
                                  wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
                                  compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
                                  core=importlib.import_module(pack.__name__ + ".qkv_core"))

@@ -48,7 +48,7 @@ def test_bounded_block_peak(request):
     import torch
     pack = comfy_env.load_pack()
     wan = importlib.import_module(pack.__name__ + ".nodes.wan")
-    node = importlib.import_module(pack.__name__ + ".nodes.patch_node")
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
     memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
     block, inp = build_block(torch), block_inputs(torch)
     x_bytes = inp["x"].numel() * inp["x"].element_size()

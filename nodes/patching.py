@@ -1,0 +1,125 @@
+"""Patching a model: the adapter that matches it, the object patches and the run wrapper on a clone, and the
+memory estimate ComfyUI plans each run with. No node API here (`patch_node` is the node), so scripts and
+bare GPU machines can patch a ModelPatcher without `comfy_api`."""
+from __future__ import annotations
+
+import torch
+
+import comfy.patcher_extension
+
+from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices
+from . import compat, wan
+from .dispatch import QKVConfig, backend_choices, split_floor
+from .report import PatchReport, logger
+
+ADAPTERS = (wan,)
+LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
+WRAPPER_KEY = "comfyui_qkv"
+
+# How much of ComfyUI's activation estimate (`memory_usage_factor`) a patched model still needs, by what
+# the run will really do. ComfyUI fills the card with weights up to its estimate, so a patched run peaks no
+# higher than stock only if factor >= 1 - (1 - r) * A / E, where r is the pack's share of stock's real
+# activation memory and A / E stock's real use over ComfyUI's estimate. Measured on an H200 (v0.8.0, a whole
+# Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; docs/benchmarks.md): A / E = 0.93, r = 0.55
+# with the head split running (a block alone: 0.30-0.33, the rest is the model around the blocks and
+# ComfyUI's weight streaming), r = 0.84 without it. Hence 0.6 and 0.9. Attention patched alone leaves the
+# stock FFN's peak (1.0), and anything not verified yet in this process runs at ComfyUI's own estimate.
+MEMORY_FACTOR_BLOCK = 0.6
+MEMORY_FACTOR_BLOCK_UNSPLIT = 0.9
+
+
+def memory_factor(config: QKVConfig, adapter=None, diffusion_model=None, latent_shape=None,
+                  transformer_options=None) -> tuple[float, str]:
+    """The share of ComfyUI's activation estimate a run of the patched model needs, and why. Without the
+    model and the latent: the factor the settings allow at best."""
+    if not config.block:
+        return 1.0, "attention patched alone: the stock feed-forward's peak stays"
+    if adapter is None:
+        return (MEMORY_FACTOR_BLOCK if config.level > 0 else MEMORY_FACTOR_BLOCK_UNSPLIT), "by the settings"
+    if not compat.all_checked(adapter.stock_functions(diffusion_model)):
+        return 1.0, "ComfyUI's estimate until the pack's forwards have passed their self-check in this process"
+    hooks = sorted(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
+    if hooks:
+        return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
+    if config.level == 0:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, "head split Off"
+    reason = adapter.splits_projections(diffusion_model)
+    if reason is not None:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({reason})"
+    tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
+    if tokens is None or tokens < split_floor(config):
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({tokens} tokens, under {split_floor(config)})"
+    return MEMORY_FACTOR_BLOCK, "head split"
+
+
+def find_adapter(diffusion_model):
+    for adapter in ADAPTERS:
+        if adapter.matches(diffusion_model):
+            return adapter
+    return None
+
+
+def make_run_wrapper(config: QKVConfig, adapter):
+    """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
+    is scaled by what `memory_factor` finds for this run (its memory planning happens inside the run,
+    before the weights are loaded); each fallback is logged once a run, and the peak VRAM at the end (also
+    after an error or a cancel)."""
+
+    def outer_sample(executor, *args, **kwargs):
+        patcher = executor.class_obj.model_patcher
+        base_model = patcher.model
+        noise = args[0] if args else kwargs.get("noise")
+        factor, why = memory_factor(config, adapter, base_model.diffusion_model, getattr(noise, "shape", None),
+                                    patcher.model_options.get("transformer_options", {}))
+        stock_factor = base_model.memory_usage_factor
+        base_model.memory_usage_factor = stock_factor * factor
+        logger.info("[QKV] run: memory estimate x%.2f (%s)", factor, why)
+        reset_notices()   # each fallback reason is logged once in every run
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            base_model.memory_usage_factor = stock_factor
+            drain_notices()   # logged as they happened; kept until the run report takes them
+            if cuda:
+                logger.info("[QKV] run: peak VRAM allocated %.2f GiB", torch.cuda.max_memory_allocated() / 2**30)
+
+    return outer_sample
+
+
+def remove_own_patches(patcher) -> int:
+    """Drop this pack's object patches and run wrapper from `patcher` (a clone): a node applied again
+    replaces its own patch instead of stacking on it. Returns how many object patches were dropped."""
+    own = [key for key, value in patcher.object_patches.items() if compat.is_ours(value)]
+    for key in own:
+        del patcher.object_patches[key]
+    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    return len(own)
+
+
+def apply_patch(model, level: str, backend: str, block_bounds: bool):
+    """A patched clone of `model` (a ModelPatcher) and its report. Unsupported models come back as an
+    unpatched clone, with the reason logged."""
+    if level not in LEVELS:
+        raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
+    if backend not in backend_choices():
+        raise ValueError(f"attention backend must be one of {backend_choices()}, not {backend!r}")
+    config = QKVConfig(LEVELS.index(level), backend, bool(block_bounds))
+    patched = model.clone()
+    report = PatchReport()
+    if remove_own_patches(patched):
+        report.note("this model was already patched by this node: that patch is replaced")
+    diffusion_model = getattr(patched.model, "diffusion_model", None)
+    adapter = find_adapter(diffusion_model) if diffusion_model is not None else None
+    if adapter is None:
+        report.note(f"not patched: {type(diffusion_model).__name__} is not a model family this pack supports "
+                    f"(supported: Wan 2.x)")
+    else:
+        adapter.patch(patched, config, report)
+        if report.any_patched:
+            patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
+                                         make_run_wrapper(config, adapter))
+    report.log()
+    return patched, report
