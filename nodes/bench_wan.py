@@ -27,7 +27,9 @@ import comfy.model_management
 import comfy.ops
 from comfy.ldm.flux.layers import EmbedND
 
-from . import comfy_ops, wan
+import time
+
+from . import comfy_ops, compat, wan
 from .dispatch import QKVConfig
 from ..qkv_core import LEVEL_NAMES, group_count
 from ..qkv_core.memory import GiB, measure_peak
@@ -145,6 +147,23 @@ def stock_part_peaks(block, x, e, freqs, context, device, live) -> list:
     return parts
 
 
+def self_check_ms(block, x, inputs, config) -> float:
+    """What the self-check costs, once per process: the first call of a fresh bounded-block forward (stock and
+    the pack's forward on 256 tokens, then the call itself) less a second call."""
+    compat.forget_verdicts()
+    forward = wan.bounded_block_forward(block, config)
+    times = []
+    for _ in range(2):
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        start = time.perf_counter()
+        forward(x, **inputs)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        times.append(time.perf_counter() - start)
+    return (times[0] - times[1]) * 1000
+
+
 def make_workload(bench):
     """The workload class, built on the running bench module's `Workload` and dataclasses."""
 
@@ -227,6 +246,9 @@ def make_workload(bench):
                      f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')} ({kitchen_note()}); qkv backend "
                      f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB ({args.weight_dtype}"
                      f"{'' if args.weight_dtype == 'same' else ', manual cast'})"]
+            if args.levels:
+                cost = self_check_ms(block, x0, inputs, QKVConfig(max(args.levels), args.qkv_backend, True))
+                notes.append(f"self-check of the bounded block (once per process): {cost:.1f} ms")
             extras = None
             if not args.no_parts:
                 def extras():
