@@ -1,10 +1,11 @@
 """The one mechanism every model adapter shares: ComfyUI weights by rows, norms by head group, token chunks.
 
 - `ComfyLinearRows`: a ComfyUI Linear as a `qkv_core.RowProjection`. The weight is taken once per layer call
-  through `comfy.ops.cast_bias_weight` (LoRA weight functions of partially loaded models, dtype casts,
-  offload; `offloadable=True` + `uncast_bias_weight` where ComfyUI has them; scaled-fp8 `scale_weight`
-  multiplied in), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor
-  matmuls, fp8 matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
+  through `comfy.ops.cast_bias_weight` (LoRA weight functions of partially loaded models, dtype casts incl.
+  fp8 storage, offload; `offloadable=True` + `uncast_bias_weight` where ComfyUI has them; scaled-fp8
+  `scale_weight` multiplied in), or through the layer's own cast for layers that dequantize themselves
+  (GGUF), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor matmuls, fp8
+  matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
 - `CastLinear`: the same cast, held for a whole layer call, applied to token chunks (FFN, output projection).
 - `rms_norm_rows` / `module_rows`: an RMSNorm over all heads on a chunk of one head group (from precomputed
   mean squares), or the model's own norm on a chunk holding every head.
@@ -37,6 +38,21 @@ def _is_quantized(tensor) -> bool:
     return _QUANTIZED_TENSOR is not None and isinstance(tensor, _QUANTIZED_TENSOR)
 
 
+def dequantizes_itself(linear) -> bool:
+    """A layer that dequantizes its own weight: city96/ComfyUI-GGUF's `GGMLLayer`, whose forward is
+    `weight, bias = layer.cast_bias_weight(input)` (dequantized, its LoRA patches applied) then `F.linear`. Its
+    rows are rows of that weight. Told by structure (a quantized GGML weight and the layer's own cast method);
+    the self-check confirms the numbers."""
+    is_quantized = getattr(linear, "is_ggml_quantized", None)
+    own_cast = getattr(type(linear), "cast_bias_weight", None)
+    if not (callable(is_quantized) and callable(own_cast)):
+        return False
+    try:
+        return bool(is_quantized())
+    except Exception:  # noqa: BLE001 - an unknown layer that cannot answer is run as it is
+        return False
+
+
 def _needs_cast(linear) -> bool:
     return bool(getattr(linear, "comfy_cast_weights", False) or getattr(linear, "weight_function", None)
                 or getattr(linear, "bias_function", None))
@@ -48,6 +64,8 @@ def not_row_sliceable(linear) -> Optional[str]:
     weight = getattr(linear, "weight", None)
     if weight is None or not torch.is_tensor(weight) or weight.dim() != 2:
         return f"{type(linear).__name__} has no 2-D weight"
+    if dequantizes_itself(linear):
+        return None
     if _is_quantized(weight) or _is_quantized(getattr(weight, "data", None)):
         layout = getattr(weight, "_layout_cls", None) or getattr(weight, "layout_type", "?")
         return f"QuantizedTensor weight ({layout}) computes in its own format"
@@ -88,7 +106,9 @@ class CastLinear:
             return
         if _RUN_EVERY_OP is not None:
             _RUN_EVERY_OP()  # ComfyUI's interrupt check, as its own Linear.forward does
-        if _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:
+        if dequantizes_itself(linear):
+            weight, bias = linear.cast_bias_weight(x)   # the layer's own dequantized, patched weight
+        elif _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:
             if _CAST_OFFLOADABLE:
                 weight, bias, self._stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
             else:

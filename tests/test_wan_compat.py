@@ -298,16 +298,56 @@ def test_a_notice_is_logged_once_per_run(env, caplog):
 # --- weight formats the pack does not know -----------------------------------------------------------------
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
-def test_gguf_weights_run_as_comfyui_runs_them(env, qtype, block):
-    """city96/ComfyUI-GGUF layers (their cast returns raw quantized blocks): the patched model runs them
-    through the layer itself and equals the stock GGUF model (it crashed with a shape error before)."""
+def test_gguf_weights_split_and_equal_stock(env, qtype, block):
+    """city96/ComfyUI-GGUF layers (`comfy.ops.cast_bias_weight` returns their raw quantized blocks, which
+    crashed the pack before): the layer's own dequantized weight, once per layer call, then rows: the head
+    split runs and the result equals the stock GGUF model."""
     import gguf_env
     gguf_env.require_gguf()
     base = gguf_env.make_gguf_wan(qtype, "t2v", layers=1)
-    size = dict(frames=3, h=16, w=16, batch=2)
-    reference = forward(base, **size)
-    patched, _ = env.node.apply_patch(base, "High", "auto", block)
-    assert rel_err(forward(base, patched, **size), reference) <= 1e-5
+    heads = base.gguf_dims["heads"]
+    reference = forward(base)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", block)
+    assert not report.skipped_reasons, report.lines()
+    with SdpaHeads(env.torch) as spy:
+        out = forward(base, patched)
+    assert rel_err(out, reference) <= 1e-5
+    groups = env.core.group_count(heads, 2 * 4224, 3)
+    assert set(spy.self_heads) == {heads // groups}
+    assert env.wan.splits_projections(base.model.diffusion_model) is None   # the run's memory factor knows
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram"])
+def test_gguf_with_a_lora_equals_stock(env, lowvram):
+    """A LoRA on GGUF weights rides on the weight (ComfyUI-GGUF applies it when it dequantizes): the pack's
+    rows come from that patched weight."""
+    import gguf_env
+    torch = env.torch
+    gguf_env.require_gguf()
+    base = gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
+    g = torch.Generator().manual_seed(3)
+    patches = {}
+    for name in ("q", "k", "v", "o"):
+        key = f"diffusion_model.blocks.0.self_attn.{name}.weight"
+        shape = base.model.diffusion_model.blocks[0].self_attn.q.weight.shape
+        patches[key] = (torch.randn(tuple(shape), generator=g) * 0.05,)
+    lora = base.clone()
+    lora.add_patches(patches, 1.0)
+    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
+
+    def run(patcher):
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 if lowvram else 0)
+        try:
+            kwargs = inputs(patcher)
+            with torch.no_grad():
+                return patcher.model.diffusion_model(**kwargs)
+        finally:
+            patcher.unpatch_model()
+
+    plain = run(base)
+    stock = run(lora)
+    assert rel_err(stock, plain) > 1e-3      # the LoRA changes the output
+    assert rel_err(run(patched), stock) <= 1e-5
 
 
 def _fp8_wan(torch):
