@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Callable, Optional
 
@@ -27,6 +28,10 @@ from ..qkv_core import PreparedProjection, RowProjection, WeightRows, WholeProje
 _CAST_OFFLOADABLE = "offloadable" in inspect.signature(comfy.ops.cast_bias_weight).parameters
 _UNCAST = getattr(comfy.ops, "uncast_bias_weight", None)
 _QUANTIZED_TENSOR = getattr(comfy.ops, "QuantizedTensor", None)
+_CAST_CONTEXT = getattr(comfy.ops, "CastBiasWeightContext", None)
+_QUANT_ALGOS = getattr(comfy.ops, "QUANT_ALGOS", {})
+# QuantizedTensor layouts whose rows are rows of the quantized data with the same (per-tensor) scale
+PER_TENSOR_FP8_LAYOUTS = {"TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout"}
 _RUN_EVERY_OP = getattr(comfy.ops, "run_every_op", None)
 
 # Linear classes whose forward is exactly "cast_bias_weight when needed, then F.linear": their rows are exact
@@ -53,6 +58,43 @@ def dequantizes_itself(linear) -> bool:
         return False
 
 
+def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
+    """How the rows of a mixed-precision layer (fp8-scaled checkpoints: `QuantizedTensor` weights) are
+    computed as the layer computes them: `("quantized", None)` when its forward runs the scaled fp8 matmul
+    with a per-tensor-scaled weight (rows: that matmul on a row slice of the quantized data, same scales);
+    `("dequantized", None)` when its forward dequantizes the weight for a full-precision matmul (old
+    scaled-fp8 checkpoints, a LoRA weight function, forced casts: rows of that weight); `(None, why)`
+    otherwise (block-scaled layouts, input smoothing, weight-only formats, other classes): run whole."""
+    weight = linear.weight
+    layout = getattr(weight, "_layout_cls", None)
+    if _CAST_CONTEXT is None:
+        return None, "this ComfyUI's quantized layers have no CastBiasWeightContext"
+    if "MixedPrecisionOps" not in type(linear).__qualname__:
+        return None, f"{type(linear).__qualname__} computes its own way"
+    if getattr(linear, "pre_quant_scale", None) is not None:
+        return None, "input smoothing (pre_quant_scale)"
+    quantized_call = (getattr(linear, "layout_type", None) is not None and
+                      not getattr(linear, "_full_precision_mm", False) and
+                      not getattr(linear, "comfy_force_cast_weights", False) and
+                      not getattr(linear, "weight_function", None) and not getattr(linear, "bias_function", None))
+    if not quantized_call:
+        return "dequantized", None
+    if not _QUANT_ALGOS.get(getattr(linear, "quant_format", None), {}).get("quantize_input", True):
+        return None, "weight-only quantization"
+    if layout not in PER_TENSOR_FP8_LAYOUTS:
+        return None, f"{layout} has no row slice here"
+    scale = getattr(getattr(weight, "_params", None), "scale", None)
+    if not torch.is_tensor(scale) or scale.numel() != 1:
+        return None, f"{layout} without a per-tensor scale"
+    return "quantized", None
+
+
+def quantizes_inputs(module) -> bool:
+    """Does any layer under `module` quantize its input (QuantizedTensor weights: fp8-scaled, int8)? Float
+    round-off before such a layer can move an input by one quantization step (see compat.compare)."""
+    return any(_is_quantized(getattr(child, "weight", None)) for child in module.modules())
+
+
 def _needs_cast(linear) -> bool:
     return bool(getattr(linear, "comfy_cast_weights", False) or getattr(linear, "weight_function", None)
                 or getattr(linear, "bias_function", None))
@@ -67,8 +109,11 @@ def not_row_sliceable(linear) -> Optional[str]:
     if dequantizes_itself(linear):
         return None
     if _is_quantized(weight) or _is_quantized(getattr(weight, "data", None)):
+        mode, problem = quantized_rows_mode(linear) if _is_quantized(weight) else (None, "wrapped")
+        if mode is not None:
+            return None
         layout = getattr(weight, "_layout_cls", None) or getattr(weight, "layout_type", "?")
-        return f"QuantizedTensor weight ({layout}) computes in its own format"
+        return f"QuantizedTensor weight ({layout}) computes in its own format: {problem}"
     cls = type(linear)
     forward = cls.forward
     if getattr(linear, "scale_weight", None) is not None and torch.is_tensor(linear.scale_weight):
@@ -102,6 +147,8 @@ class CastLinear:
         self._linear, self._stream = linear, None
         self.weight = self.bias = None
         self.own_format = not_row_sliceable(linear)
+        if self.own_format is None and _is_quantized(getattr(linear, "weight", None)):
+            self.own_format = "QuantizedTensor weight: the layer's own quantized matmul"
         if self.own_format is not None:
             return
         if _RUN_EVERY_OP is not None:
@@ -139,6 +186,8 @@ class ComfyLinearRows(RowProjection):
         self.linear = linear
         self.out_features = getattr(linear, "out_features", None)
         self._reason = not_row_sliceable(linear)
+        self._quantized = self._reason is None and _is_quantized(getattr(linear, "weight", None))
+        self._mode = quantized_rows_mode(linear)[0] if self._quantized else None
         self._held: Optional[CastLinear] = None
 
     def not_row_sliceable(self) -> Optional[str]:
@@ -146,7 +195,7 @@ class ComfyLinearRows(RowProjection):
 
     def hold(self, like: torch.Tensor) -> None:
         """Cast the weight once for several layer calls (token chunks of one call) until `release_hold()`."""
-        if self._reason is None and self._held is None:
+        if self._reason is None and self._held is None and not self._quantized:
             self._held = CastLinear(self.linear, like)
 
     def release_hold(self) -> None:
@@ -157,10 +206,55 @@ class ComfyLinearRows(RowProjection):
     def prepare(self, x: torch.Tensor) -> PreparedProjection:
         if self._reason is not None:
             return WholeProjection(self.linear, self._reason).prepare(x)  # the layer's own numerics
+        if self._mode == "quantized":
+            return QuantizedRows(self.linear, x)
+        if self._mode == "dequantized":   # the weight the layer's full-precision call dequantizes, then rows
+            context = _CAST_CONTEXT(self.linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=False)
+            weight, bias = context.__enter__()
+            return WeightRows(x, weight, bias, on_release=lambda: context.__exit__(None, None, None))
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
         cast = CastLinear(self.linear, x)
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
+
+
+class QuantizedRows(PreparedProjection):
+    """Rows of a mixed-precision layer with a per-tensor-scaled fp8 weight (`quantized_rows_mode` is "quantized"),
+    computed as the layer computes them: the input quantized once per layer call as the layer's forward
+    quantizes it (its `layout_type` and `input_scale`), the weight taken once through ComfyUI's
+    `CastBiasWeightContext` (offload, requantization), then the layer's scaled fp8 matmul on a row slice of
+    the quantized data with the same scales: each output column equals the layer's."""
+
+    def __init__(self, linear, x: torch.Tensor):
+        self.shape = x.shape
+        scale = getattr(linear, "input_scale", None)
+        if scale is not None:
+            scale = comfy.model_management.cast_to_device(scale, x.device, None)
+        self.qx = _QUANTIZED_TENSOR.from_float(x.reshape(-1, x.shape[-1]), linear.layout_type, scale=scale)
+        self._context = _CAST_CONTEXT(linear, self.qx, offloadable=True, compute_dtype=x.dtype, want_requant=True)
+        self.weight, self.bias = self._context.__enter__()
+
+    def _rows_weight(self, start: int, stop: int):
+        weight = self.weight
+        if not _is_quantized(weight):   # the cast handed back a plain weight (e.g. requantization declined)
+            return weight[start:stop]
+        qdata = weight._qdata[start:stop]
+        params = dataclasses.replace(weight._params, orig_shape=(stop - start, qdata.shape[1]))
+        return _QUANTIZED_TENSOR(qdata, weight._layout_cls, params)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[start:stop]
+        out = F.linear(self.qx, self._rows_weight(start, stop), bias)
+        return out.reshape(*self.shape[:-1], stop - start)
+
+    def full(self) -> torch.Tensor:
+        return F.linear(self.qx, self.weight, self.bias).reshape(*self.shape[:-1], -1)
+
+    def release(self) -> None:
+        self.qx = self.weight = self.bias = None
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -216,5 +310,6 @@ def token_ranges(tokens: int, step: int):
         yield a, min(a + step, tokens)
 
 
-__all__ = ["ComfyLinearRows", "CastLinear", "not_row_sliceable", "norm_weight", "rms_norm_rows", "module_rows",
+__all__ = ["ComfyLinearRows", "CastLinear", "QuantizedRows", "not_row_sliceable", "quantizes_inputs",
+           "dequantizes_itself", "quantized_rows_mode", "norm_weight", "rms_norm_rows", "module_rows",
            "chunk_tokens", "even_chunk_tokens", "token_ranges"]

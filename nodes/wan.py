@@ -19,7 +19,7 @@ import comfy.model_management
 from ..qkv_core import WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
 from . import compat
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, module_rows, norm_weight,
-                        not_row_sliceable, rms_norm_rows, token_ranges)
+                        not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
 
 FAMILY = "Wan"
@@ -498,7 +498,8 @@ def _guard(kind: str, what: str, module, names, ours_factory, config, refuse_mor
         base = inputs[base_name] if kind.endswith("block") else None
         return compat.self_check(_signature(kind, module, config, bound), _stock_functions(module),
                                  lambda: stock(**_fresh(inputs)), lambda: checked(**_fresh(inputs)),
-                                 base=None if base is None else base.clone())
+                                 base=None if base is None else base.clone(),
+                                 quantized=quantizes_inputs(module))
 
     return compat.guarded(what, stock, ours, refuse, check)
 

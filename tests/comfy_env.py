@@ -688,6 +688,48 @@ def make_wan(kind="t2v", dim=128, heads=4, layers=2, ffn_dim=None, text_dim=32, 
     return patcher
 
 
+def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True, fmt="float8_e4m3fn",
+                        full_precision_mm=False, seed=0, **extra_config):
+    """Tiny Wan loaded the way ComfyUI loads an fp8-scaled checkpoint (Comfy-Org's `*_fp8_scaled` files):
+    ComfyUI's mixed-precision ops (`comfy.ops.mixed_precision_ops`), the blocks' 2-D Linear weights stored as
+    fp8 with a per-tensor `weight_scale` (and `input_scale`) and a `comfy_quant` entry, so they load as
+    `QuantizedTensor` weights; everything else float32, computed in float32. The weights are those of
+    ``make_wan(kind, ...)`` with the same seed, quantized. ``full_precision_mm``: the layers dequantize their
+    weight for a full-precision matmul (what ComfyUI makes of old `scaled_fp8` checkpoints that ask for it)."""
+    setup()
+    import json
+    import torch
+    import comfy.model_patcher
+    import comfy.ops
+    storage = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[fmt]
+    float_model = make_wan(kind, dim=dim, heads=heads, layers=layers, seed=seed, **extra_config)
+    sd = {k: v.clone() for k, v in float_model.model.diffusion_model.state_dict().items()}
+    for key in [k for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2 and "blocks." in k
+                and "modulation" not in k and "norm" not in k]:
+        prefix = key[:-len("weight")]
+        weight = sd[key]
+        scale = weight.abs().amax() / torch.finfo(storage).max
+        sd[key] = (weight / scale).to(storage)
+        sd[prefix + "weight_scale"] = scale.reshape(())
+        if input_scale:
+            sd[prefix + "input_scale"] = torch.tensor(0.02)
+        conf = {"format": fmt, **({"full_precision_matrix_mult": True} if full_precision_mm else {})}
+        sd[prefix + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    cls, cfg = _wan_config(kind, dim, heads, layers, None, 32, 1, extra_config)
+    model_config = cls(cfg)
+    model_config.set_inference_dtype(torch.float32, None)
+    model_config.custom_operations = comfy.ops.mixed_precision_ops({}, torch.float32)
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    missing, unexpected = model.diffusion_model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"fp8-scaled Wan: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.eval()
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"),
+                                               offload_device=torch.device("cpu"))
+    patcher.comfy_env_kind = kind
+    return patcher
+
+
 def _diffusion_model(model):
     if hasattr(model, "model") and hasattr(model.model, "diffusion_model"):   # ModelPatcher
         return model.model.diffusion_model

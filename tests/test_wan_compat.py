@@ -485,3 +485,99 @@ def test_quantized_tensor_weights_run_as_comfyui_runs_them(env, block):
     reference = forward(base, **SMALL)
     patched, _ = env.node.apply_patch(base, "High", "sdpa", block)
     assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
+
+
+def _require_quantized_rows(rows: bool = True):
+    import comfy.ops
+    if not hasattr(comfy.ops, "mixed_precision_ops"):
+        pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
+    if rows and not hasattr(comfy.ops, "CastBiasWeightContext"):
+        pytest.skip("this ComfyUI's mixed-precision layers run whole (no CastBiasWeightContext)")
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, block):
+    """An fp8-scaled checkpoint (mixed-precision ops, per-tensor-scaled QuantizedTensor weights): the input is
+    quantized once per layer call as the layer does, each head group is the layer's scaled fp8 matmul on a row
+    slice of the quantized weight, so the split runs and the result equals stock's."""
+    torch = env.torch
+    _require_quantized_rows()
+    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, fmt=fmt)
+    reference = forward(base)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", block)
+    assert not report.skipped_reasons, report.lines()
+    with SdpaHeads(torch) as spy:
+        out = forward(base, patched)
+    assert set(spy.self_heads) == {1}
+    assert env.wan.splits_projections(base.model.diffusion_model) is None
+    # Each projection equals the layer's own output bit for bit (tests of QuantizedRows below); the split
+    # changes attention's float32 round-off (~1e-6), which the next layer's fp8 input quantization turns into
+    # one fp8 step on a few elements: within the format's round-off, far below fp8's own error (float model
+    # vs this fp8-scaled one: about 3e-2).
+    assert rel_err(out, reference) <= 1e-2
+
+
+def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env):
+    """With a LoRA loaded as a low-VRAM weight function the layer dequantizes its weight (LoRA applied) for a
+    full-precision matmul: rows of that weight, so the split still runs and equals stock's (up to one fp8 step
+    at the next layers' input quantization)."""
+    torch = env.torch
+    _require_quantized_rows()
+    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
+    key = "diffusion_model.blocks.0.self_attn.q.weight"
+    lora = base.clone()
+    lora.add_patches({key: (torch.randn(256, 256, generator=torch.Generator().manual_seed(3)) * 0.05,)}, 1.0)
+    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
+
+    def run(patcher):
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+        try:
+            if patcher.patches:
+                assert patcher.model.diffusion_model.blocks[0].self_attn.q.weight_function   # low-VRAM LoRA
+            with torch.no_grad(), SdpaHeads(torch) as spy:
+                return patcher.model.diffusion_model(**inputs(patcher, "t2v", **SIZE)), spy.self_heads
+        finally:
+            patcher.unpatch_model()
+    stock, _ = run(lora)
+    assert rel_err(stock, run(base)[0]) > 1e-4
+    out, heads = run(patched)
+    assert set(heads) == {1}
+    assert rel_err(out, stock) <= 1e-2
+
+
+def test_full_precision_fp8_scaled_splits_and_equals_stock(env):
+    """Old `scaled_fp8` checkpoints that ask for a full-precision matmul (ComfyUI converts them to
+    mixed-precision layers with `full_precision_matrix_mult`): every layer dequantizes its weight, so rows
+    of that weight are exact and nothing is quantized on the way: equal to stock to float32 round-off."""
+    torch = env.torch
+    _require_quantized_rows()
+    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, full_precision_mm=True)
+    assert base.model.diffusion_model.blocks[0].self_attn.q._full_precision_mm
+    reference = forward(base)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert not report.skipped_reasons, report.lines()
+    with SdpaHeads(torch) as spy:
+        out = forward(base, patched)
+    assert set(spy.self_heads) == {1}
+    assert rel_err(out, reference) <= 1e-5
+
+
+def test_fp8_scaled_rows_equal_the_layer_bit_for_bit(env):
+    """QuantizedRows: the input quantized once, the scaled fp8 matmul on a row slice of the quantized weight:
+    every row range equals the layer's own output exactly (whole, head-group rows, odd ranges)."""
+    torch = env.torch
+    _require_quantized_rows()
+    ops = env.pack.nodes.comfy_ops
+    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
+    for name in ("q", "k", "v"):
+        layer = getattr(base.model.diffusion_model.blocks[0].self_attn, name)
+        x = torch.randn(2, 300, 256)
+        with torch.no_grad():
+            stock = layer(x)
+            prepared = ops.ComfyLinearRows(layer).prepare(x)
+            assert isinstance(prepared, ops.QuantizedRows)
+            assert torch.equal(prepared.full(), stock)
+            for a, b in ((0, 32), (32, 64), (224, 256), (5, 77)):
+                assert torch.equal(prepared.rows(a, b), stock[..., a:b]), (name, a, b)
+            prepared.release()
