@@ -83,18 +83,47 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
             del v
 
 
-WEIGHT_DTYPES = {"same": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_SCALED = "fp8_scaled"
+WEIGHT_DTYPES = {"same": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                 FP8_SCALED: FP8_SCALED}
 
 
 def build_block(device, dtype, seed: int, weight_dtype=None) -> torch.nn.Module:
-    """The block with `dtype` weights, or `weight_dtype` (fp8) weights cast to `dtype` per call by ComfyUI's
-    manual-cast ops (what `weight_dtype fp8_e4m3fn` in the diffusion model loader gives)."""
-    operations = comfy.ops.disable_weight_init if weight_dtype is None else comfy.ops.manual_cast
-    settings = {"operations": operations, "device": device, "dtype": weight_dtype or dtype}
+    """The block with `dtype` weights; or `weight_dtype` (fp8) weights cast to `dtype` per call by ComfyUI's
+    manual-cast ops (what `weight_dtype fp8_e4m3fn` in the diffusion model loader gives); or, for
+    "fp8_scaled", ComfyUI's mixed-precision ops with per-tensor-scaled fp8 `QuantizedTensor` Linear weights
+    (what Comfy-Org's `*_fp8_scaled` checkpoints load as; no input scale: quantized per call)."""
+    scaled = weight_dtype == FP8_SCALED
+    operations = comfy.ops.manual_cast if weight_dtype is not None and not scaled else comfy.ops.disable_weight_init
+    settings = {"operations": operations, "device": device, "dtype": dtype if scaled or weight_dtype is None
+                else weight_dtype}
     block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True, cross_attn_norm=True,
                                         eps=EPS, operation_settings=settings)
     fill_random_(block, seed)
+    if scaled:
+        block = _fp8_scaled(block, device, dtype)
     return block.eval().requires_grad_(False)
+
+
+def _fp8_scaled(block, device, dtype):
+    """`block` rebuilt with mixed-precision ops, its Linear weights quantized to fp8 with per-tensor scales
+    (the state dict an fp8-scaled checkpoint gives ComfyUI's loader)."""
+    import json
+    linears = {name for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)}
+    state = block.state_dict()
+    for name in linears:
+        weight = state[f"{name}.weight"].float()
+        scale = weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        state[f"{name}.weight"] = (weight / scale).to(torch.float8_e4m3fn)
+        state[f"{name}.weight_scale"] = scale.reshape(())
+        state[f"{name}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                    dtype=torch.uint8)
+    del block
+    settings = {"operations": comfy.ops.mixed_precision_ops({}, dtype), "device": device, "dtype": dtype}
+    scaled = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True, cross_attn_norm=True,
+                                         eps=EPS, operation_settings=settings)
+    scaled.load_state_dict(state, strict=False)
+    return scaled
 
 
 def rope_freqs(grid, tokens: int, device, dtype, head_dim: int = HEAD_DIM) -> torch.Tensor:

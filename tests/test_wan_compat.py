@@ -580,4 +580,8 @@ def test_fp8_scaled_rows_equal_the_layer_bit_for_bit(env):
             assert torch.equal(prepared.full(), stock)
             for a, b in ((0, 32), (32, 64), (224, 256), (5, 77)):
                 assert torch.equal(prepared.rows(a, b), stock[..., a:b]), (name, a, b)
+            for first, count in ((0, 300), (17, 100), (256, 44)):
+                out = torch.empty(2, count, 40)
+                prepared.rows_into(out, 100, 140, first)
+                assert torch.equal(out, stock[:, first:first + count, 100:140]), (name, first, count)
             prepared.release()
