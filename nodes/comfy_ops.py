@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -218,6 +219,28 @@ class ComfyLinearRows(RowProjection):
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
 
 
+# The quantized input of a layer call, shared by the layers that quantize the same input the same way (q, k
+# and v of one attention: one copy instead of three). Weak references to both the input and its quantized
+# copy: an entry serves only that very input, and the copy is freed with its last user.
+_QUANTIZED_INPUTS: dict = {}
+
+
+def _quantized_input(linear, x: torch.Tensor):
+    """`x` as `linear`'s forward quantizes it (its layout and `input_scale`, else a scale from x), 2-D."""
+    scale = getattr(linear, "input_scale", None)
+    key = (id(x), x._version, linear.layout_type, None if scale is None else float(scale))
+    entry = _QUANTIZED_INPUTS.get(key)
+    if entry is not None and entry[0]() is x and entry[1]() is not None:
+        return entry[1]()
+    for stale in [k for k, (x_ref, q_ref) in _QUANTIZED_INPUTS.items() if x_ref() is None or q_ref() is None]:
+        del _QUANTIZED_INPUTS[stale]
+    if scale is not None:
+        scale = comfy.model_management.cast_to_device(scale, x.device, None)
+    quantized = _QUANTIZED_TENSOR.from_float(x.reshape(-1, x.shape[-1]), linear.layout_type, scale=scale)
+    _QUANTIZED_INPUTS[key] = (weakref.ref(x), weakref.ref(quantized))
+    return quantized
+
+
 class QuantizedRows(PreparedProjection):
     """Rows of a mixed-precision layer with a per-tensor-scaled fp8 weight (`quantized_rows_mode` is "quantized"),
     computed as the layer computes them: the input quantized once per layer call as the layer's forward
@@ -227,10 +250,7 @@ class QuantizedRows(PreparedProjection):
 
     def __init__(self, linear, x: torch.Tensor):
         self.shape = x.shape
-        scale = getattr(linear, "input_scale", None)
-        if scale is not None:
-            scale = comfy.model_management.cast_to_device(scale, x.device, None)
-        self.qx = _QUANTIZED_TENSOR.from_float(x.reshape(-1, x.shape[-1]), linear.layout_type, scale=scale)
+        self.qx = _quantized_input(linear, x)
         self._context = _CAST_CONTEXT(linear, self.qx, offloadable=True, compute_dtype=x.dtype, want_requant=True)
         self.weight, self.bias = self._context.__enter__()
 

@@ -585,3 +585,12 @@ def test_fp8_scaled_rows_equal_the_layer_bit_for_bit(env):
                 prepared.rows_into(out, 100, 140, first)
                 assert torch.equal(out, stock[:, first:first + count, 100:140]), (name, first, count)
             prepared.release()
+    # q, k and v of one layer call quantize their input once between them
+    attention = base.model.diffusion_model.blocks[0].self_attn
+    x = torch.randn(2, 100, 256)
+    q, k = (ops.ComfyLinearRows(getattr(attention, name)).prepare(x) for name in ("q", "k"))
+    assert q.qx is k.qx
+    other = ops.ComfyLinearRows(attention.v).prepare(x.clone())
+    assert other.qx is not q.qx
+    for prepared in (q, k, other):
+        prepared.release()
