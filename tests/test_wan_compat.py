@@ -495,15 +495,25 @@ def _require_quantized_rows(rows: bool = True):
         pytest.skip("this ComfyUI's mixed-precision layers run whole (no CastBiasWeightContext)")
 
 
-@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("fmt,full_precision,tolerance", [
+    ("float8_e4m3fn", False, 1e-2), ("float8_e5m2", False, 1e-2), ("float8_e4m3fn", True, 1e-5)],
+    ids=["e4m3", "e5m2", "full-precision"])
 @pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
-def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, block):
+def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, full_precision, tolerance, block):
     """An fp8-scaled checkpoint (mixed-precision ops, per-tensor-scaled QuantizedTensor weights): the input is
     quantized once per layer call as the layer does, each head group is the layer's scaled fp8 matmul on a row
-    slice of the quantized weight, so the split runs and the result equals stock's."""
+    slice of the quantized weight, so the split runs. Each projection equals the layer's own output bit for bit
+    (`test_fp8_scaled_rows_equal_the_layer_bit_for_bit`); the split changes attention's float32 round-off
+    (~1e-6), which the next layer's fp8 input quantization can turn into one fp8 step on a few elements: within
+    the format's round-off, far below fp8's own error (float model vs this one: about 3e-2).
+    Old `scaled_fp8` checkpoints that ask for a full-precision matmul (`full_precision_matrix_mult`): every
+    layer dequantizes its weight, rows of that weight are exact and nothing is quantized on the way: float32
+    round-off."""
     torch = env.torch
     _require_quantized_rows()
-    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, fmt=fmt)
+    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, fmt=fmt,
+                                         full_precision_mm=full_precision)
+    assert bool(base.model.diffusion_model.blocks[0].self_attn.q._full_precision_mm) == full_precision
     reference = forward(base)
     patched, report = env.node.apply_patch(base, "High", "sdpa", block)
     assert not report.skipped_reasons, report.lines()
@@ -511,11 +521,7 @@ def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, block):
         out = forward(base, patched)
     assert set(spy.self_heads) == {1}
     assert env.wan.splits_projections(base.model.diffusion_model) is None
-    # Each projection equals the layer's own output bit for bit (tests of QuantizedRows below); the split
-    # changes attention's float32 round-off (~1e-6), which the next layer's fp8 input quantization turns into
-    # one fp8 step on a few elements: within the format's round-off, far below fp8's own error (float model
-    # vs this fp8-scaled one: about 3e-2).
-    assert rel_err(out, reference) <= 1e-2
+    assert rel_err(out, reference) <= tolerance
 
 
 def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env):
@@ -544,23 +550,6 @@ def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env):
     out, heads = run(patched)
     assert set(heads) == {1}
     assert rel_err(out, stock) <= 1e-2
-
-
-def test_full_precision_fp8_scaled_splits_and_equals_stock(env):
-    """Old `scaled_fp8` checkpoints that ask for a full-precision matmul (ComfyUI converts them to
-    mixed-precision layers with `full_precision_matrix_mult`): every layer dequantizes its weight, so rows
-    of that weight are exact and nothing is quantized on the way: equal to stock to float32 round-off."""
-    torch = env.torch
-    _require_quantized_rows()
-    base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, full_precision_mm=True)
-    assert base.model.diffusion_model.blocks[0].self_attn.q._full_precision_mm
-    reference = forward(base)
-    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
-    assert not report.skipped_reasons, report.lines()
-    with SdpaHeads(torch) as spy:
-        out = forward(base, patched)
-    assert set(spy.self_heads) == {1}
-    assert rel_err(out, reference) <= 1e-5
 
 
 def test_fp8_scaled_rows_equal_the_layer_bit_for_bit(env):
