@@ -141,6 +141,13 @@ def compare(stock, ours, base: Optional[torch.Tensor] = None, quantized: bool = 
     return None
 
 
+def known_verdict(signature) -> tuple[bool, Optional[str]]:
+    """(True, the verdict) when `signature` was checked in this process, else (False, None)."""
+    if signature in _verdicts:
+        return True, _verdicts[signature]
+    return False, None
+
+
 def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None,
                quantized: bool = False) -> Optional[str]:
     """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` equals
@@ -198,5 +205,5 @@ def head(t, tokens: int, batch_dim_matches: bool = True):
     return t[:, :tokens].clone()
 
 
-__all__ = ["guarded", "self_check", "compare", "probe_options", "mark_ours", "is_ours", "stock_forward",
+__all__ = ["guarded", "self_check", "known_verdict", "compare", "probe_options", "mark_ours", "is_ours", "stock_forward",
            "foreign_forward", "forget_verdicts", "all_checked", "check_tokens", "head", "CHECK_TOKENS"]
