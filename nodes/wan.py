@@ -511,10 +511,16 @@ def _fresh(inputs: dict) -> dict:
 
 
 def foreign_part(block) -> Optional[str]:
+    """Why the bounded block must not run: another node's forward or module hook on a part it computes
+    itself (ComfyUI's block calls those parts, so it keeps their patches working), else None."""
     for name in BLOCK_PARTS:
         part = getattr(block, name, None)
-        if part is not None and compat.foreign_forward(part):
+        if part is None:
+            continue
+        if compat.foreign_forward(part):
             return f"another node patched its {name}"
+        if part._forward_hooks or part._forward_pre_hooks:
+            return f"another node hooks its {name}"
     return None
 
 

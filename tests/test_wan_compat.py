@@ -202,6 +202,29 @@ def test_other_nodes_object_patches_are_kept(env, target, order, block):
     assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
 
 
+@pytest.mark.parametrize("part", ["self_attn", "ffn"])
+def test_module_hooks_on_a_block_part_are_kept(env, part):
+    """A torch forward hook another node put on a part the bounded block computes itself: the block runs as
+    ComfyUI's (which calls the part, so the hook fires) and the result equals stock with the hook."""
+    base = comfy_env.make_wan("t2v", **MODEL)
+    module = getattr(base.model.diffusion_model.blocks[0], part)
+    calls = []
+
+    def hook(mod, args, output):
+        calls.append(1)
+        return output * 0.5
+    handle = module.register_forward_hook(hook)
+    try:
+        reference = forward(base, **SMALL)
+        stock_calls = len(calls)
+        patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+        del calls[:]
+        assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
+        assert len(calls) == stock_calls > 0
+    finally:
+        handle.remove()
+
+
 # --- the node in a chain ----------------------------------------------------------------------------------
 def test_a_reapplied_node_replaces_its_own_patch(env):
     import comfy.patcher_extension
