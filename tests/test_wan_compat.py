@@ -172,6 +172,28 @@ def test_other_nodes_hooks_are_honoured(env, hooks, block):
         assert stock_calls   # this ComfyUI calls these hooks: the comparison is not vacuous
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
+def test_a_dit_block_replacement_wraps_the_pack_block(env, block):
+    """`patches_replace["dit"]` (what block-swap / caching nodes set): the replacement calls the original block,
+    which is the pack's, and the result equals stock with the same replacement."""
+    calls = []
+
+    def replace(args, extra):
+        calls.append(args["img"].shape[1])
+        out = extra["original_block"](args)
+        return {"img": out["img"] * 0.9}
+    base = comfy_env.make_wan("t2v", **MODEL)
+    hooked = base.clone()
+    hooked.set_model_patch_replace(replace, "dit", "double_block", 0)
+    reference = forward(base, hooked, **SMALL)
+    if not calls:
+        pytest.skip("this ComfyUI's Wan does not call dit block replacements")
+    del calls[:]
+    patched, _ = env.node.apply_patch(hooked, "High", "sdpa", block)
+    assert rel_err(forward(base, patched, **SMALL), reference) <= 1e-5
+    assert calls
+
+
 # --- other nodes' object patches, both orders ------------------------------------------------------------
 def _foreign(module):
     """What KJNodes-style nodes install: a forward of their own on the module (here: stock, scaled)."""
