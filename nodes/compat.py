@@ -4,7 +4,7 @@ Every forward the pack installs is wrapped by `guarded()`. A call runs ComfyUI's
 of the pack's when:
 - gradients are enabled (a training node downstream: the pack's forwards are inference-only);
 - the call carries arguments the pack's forward does not know (a newer ComfyUI added one);
-- another node patched a submodule the pack's forward would bypass (`foreign_patch`);
+- another node patched a submodule the pack's forward would bypass (`foreign_forward`);
 - the self-check for this kind of call failed.
 The self-check runs at the first call of each signature (module kind, the stock forwards' functions, layer
 types, dtypes, device, the patch hooks present in `transformer_options`, the node's settings): ComfyUI's
@@ -197,13 +197,5 @@ def check_tokens(tokens: int) -> int:
     return min(tokens, CHECK_TOKENS)
 
 
-def head(t, tokens: int, batch_dim_matches: bool = True):
-    """One batch item's first `tokens` tokens of `(B, N, ...)`, as a fresh tensor."""
-    if not torch.is_tensor(t):
-        return t
-    t = t[:1] if batch_dim_matches else t
-    return t[:, :tokens].clone()
-
-
-__all__ = ["guarded", "self_check", "known_verdict", "compare", "probe_options", "mark_ours", "is_ours", "stock_forward",
-           "foreign_forward", "forget_verdicts", "all_checked", "check_tokens", "head", "CHECK_TOKENS"]
+__all__ = ["guarded", "self_check", "known_verdict", "compare", "probe_options", "mark_ours", "is_ours",
+           "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens", "CHECK_TOKENS"]

@@ -28,14 +28,12 @@ MEMORY_FACTOR_BLOCK = 0.6
 MEMORY_FACTOR_BLOCK_UNSPLIT = 0.9
 
 
-def memory_factor(config: QKVConfig, adapter=None, diffusion_model=None, latent_shape=None,
-                  transformer_options=None) -> tuple[float, str]:
-    """The share of ComfyUI's activation estimate a run of the patched model needs, and why. Without the
-    model and the latent: the factor the settings allow at best."""
+def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
+                  transformer_options) -> tuple[float, str]:
+    """The share of ComfyUI's activation estimate a run of the patched model needs, and why: `adapter`'s
+    model `diffusion_model` sampled on a latent of `latent_shape` with these `transformer_options`."""
     if not config.block:
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
-    if adapter is None:
-        return (MEMORY_FACTOR_BLOCK if config.level > 0 else MEMORY_FACTOR_BLOCK_UNSPLIT), "by the settings"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
         return 1.0, "ComfyUI's estimate until the pack's forwards have passed their self-check in this process"
     hooks = sorted(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)

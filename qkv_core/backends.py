@@ -42,11 +42,12 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-# SDPA's kernel order for long CUDA calls, by compute capability. PyTorch's own order is whatever the process
-# last set (ComfyUI sets its order inside its own calls, and the setting outlives them: v0.8.0 cuDNN first,
-# v0.33 FlashAttention first), so the pack sets its own: cuDNN attention first on Hopper and Blackwell
-# (measured on an H200: 40 heads x 75,600 tokens, cuDNN 232 ms, FlashAttention 2 354 ms), FlashAttention 2
-# first on Ampere and Ada, where it is the faster of the two.
+# SDPA's kernel order for long CUDA calls, by compute capability. Left to the ambient order, the pack's calls
+# ran at very different speeds in different ComfyUI processes on one H200 (the 720p Wan block: 293 ms beside
+# ComfyUI v0.8.0, which asks for cuDNN first in its own calls; 422 ms beside v0.33, which asks for
+# FlashAttention first), so the pack sets its own: cuDNN attention first on Hopper and Blackwell (40 heads x
+# 75,600 tokens: cuDNN 232 ms, FlashAttention 2 354 ms), FlashAttention 2 first on Ampere and Ada, where it is
+# the faster of the two.
 SDPA_ORDER_MIN_ELEMENTS = 1024 * 128   # below this, the ambient order (ComfyUI measured cuDNN slower there)
 
 
