@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 
 import torch
 
@@ -84,25 +85,105 @@ def fill_random_(module: torch.nn.Module, seed: int) -> None:
 
 
 FP8_SCALED = "fp8_scaled"
+GGUF_Q8_0 = "gguf_q8_0"
 WEIGHT_DTYPES = {"same": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-                 FP8_SCALED: FP8_SCALED}
+                 FP8_SCALED: FP8_SCALED, GGUF_Q8_0: GGUF_Q8_0}
 
 
-def build_block(device, dtype, seed: int, weight_dtype=None) -> torch.nn.Module:
+def build_block(device, dtype, seed: int, weight_dtype=None, gguf_pack=None) -> torch.nn.Module:
     """The block with `dtype` weights; or `weight_dtype` (fp8) weights cast to `dtype` per call by ComfyUI's
     manual-cast ops (what `weight_dtype fp8_e4m3fn` in the diffusion model loader gives); or, for
     "fp8_scaled", ComfyUI's mixed-precision ops with per-tensor-scaled fp8 `QuantizedTensor` Linear weights
-    (what Comfy-Org's `*_fp8_scaled` checkpoints load as; no input scale: quantized per call)."""
-    scaled = weight_dtype == FP8_SCALED
-    operations = comfy.ops.manual_cast if weight_dtype is not None and not scaled else comfy.ops.disable_weight_init
-    settings = {"operations": operations, "device": device, "dtype": dtype if scaled or weight_dtype is None
-                else weight_dtype}
+    (what Comfy-Org's `*_fp8_scaled` checkpoints load as; no input scale: quantized per call); or, for
+    "gguf_q8_0", city96/ComfyUI-GGUF's ops (from the checkout at `gguf_pack`) with Q8_0 Linear weights."""
+    scaled, gguf = weight_dtype == FP8_SCALED, weight_dtype == GGUF_Q8_0
+    cast = weight_dtype is not None and not (scaled or gguf)
+    operations = comfy.ops.manual_cast if cast else comfy.ops.disable_weight_init
+    settings = {"operations": operations, "device": device, "dtype": weight_dtype if cast else dtype}
     block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True, cross_attn_norm=True,
                                         eps=EPS, operation_settings=settings)
     fill_random_(block, seed)
     if scaled:
         block = _fp8_scaled(block, device, dtype)
+    if gguf:
+        block = _gguf_q8_0(block, device, dtype, gguf_pack)
     return block.eval().requires_grad_(False)
+
+
+def import_gguf_ops(path, module: str = "ops"):
+    """city96/ComfyUI-GGUF's `ops` module (or another of its modules) from its checkout at `path`, imported
+    inside a package made for it without running its `__init__` (which registers its nodes)."""
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+    if not path or not os.path.isfile(os.path.join(path, "ops.py")):
+        raise SystemExit(f"--weight-dtype {GGUF_Q8_0} needs city96/ComfyUI-GGUF: pass its checkout with "
+                         f"--gguf-pack PATH (got {path!r}); it also needs the `gguf` package")
+    name = "qkv_bench_comfyui_gguf"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.abspath(path)]
+        package.__spec__ = importlib.util.spec_from_loader(name, loader=None, is_package=True)
+        package.__spec__.submodule_search_locations = package.__path__
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.{module}")
+
+
+@contextlib.contextmanager
+def gguf_under_memory_tracker(ops):
+    """Lets ComfyUI-GGUF's layers (`ops`: its ops module) run under the CPU's `MemTracker` (a dispatch mode):
+    there a dequantized weight keeps the `GGMLTensor` class (outside it is a plain tensor), and the layer's
+    `torch.Tensor(weight)` then calls `GGMLTensor.__init__` without its keyword arguments. Meanwhile such a
+    call leaves the view as it is (its shape is its data's). Measurement only: nothing computed changes."""
+    cls = ops.GGMLTensor
+    original = cls.__init__
+
+    def tolerant_init(self, *args, tensor_type=None, tensor_shape=None, patches=(), **kwargs):
+        if tensor_shape is not None:
+            original(self, *args, tensor_type=tensor_type, tensor_shape=tensor_shape, patches=list(patches),
+                     **kwargs)
+
+    cls.__init__ = tolerant_init
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 blocks of a 2-D weight, as `gguf.quants` writes them: per 32 values of a row, an fp16 scale
+    (max |w| / 127) then 32 int8 values; `(rows, in / 32 * 34)` uint8 (each row is whole blocks)."""
+    rows, width = weight.shape
+    blocks = weight.float().reshape(rows, width // 32, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    values = (blocks * inverse).round().to(torch.int8)
+    raw = torch.cat([scale.to(torch.float16).view(torch.uint8), values.view(torch.uint8)], dim=-1)
+    return raw.reshape(rows, -1)
+
+
+def _gguf_q8_0(block, device, dtype, gguf_pack):
+    """`block` rebuilt with ComfyUI-GGUF's `GGMLOps`, its Linear weights Q8_0 and everything else F32
+    `GGMLTensor`s (what its loader hands over for a Q8_0 file of a Wan model)."""
+    ops = import_gguf_ops(gguf_pack)
+    types = ops.gguf.GGMLQuantizationType
+    linears = {name for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)}
+    state = {}
+    for key, value in block.state_dict().items():
+        if key.rsplit(".", 1)[0] in linears and key.endswith(".weight"):
+            state[key] = ops.GGMLTensor(quantize_q8_0(value), tensor_type=types.Q8_0, tensor_shape=value.shape)
+        else:
+            state[key] = ops.GGMLTensor(value.float(), tensor_type=types.F32, tensor_shape=value.shape)
+    del block
+    operations = ops.GGMLOps()
+    operations.Linear.dequant_dtype = operations.Linear.patch_dtype = None   # the loader's defaults
+    settings = {"operations": operations, "device": device, "dtype": dtype}
+    gguf_block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True,
+                                             cross_attn_norm=True, eps=EPS, operation_settings=settings)
+    gguf_block.load_state_dict(state, strict=False)
+    return gguf_block
 
 
 def _fp8_scaled(block, device, dtype):
@@ -215,8 +296,13 @@ def make_workload(bench):
             parser.add_argument("--no-parts", action="store_true",
                                 help="comfyui workload: skip the stock per-part peaks")
             parser.add_argument("--weight-dtype", choices=sorted(WEIGHT_DTYPES), default="same",
-                                help="comfyui workload: store the block's weights in this dtype, cast per call "
-                                     "by ComfyUI's manual-cast ops (default: the compute dtype)")
+                                help="comfyui workload: the block's weight format: fp8_* stored and cast per "
+                                     "call by ComfyUI's manual-cast ops, fp8_scaled (mixed-precision "
+                                     "QuantizedTensor layers), gguf_q8_0 (city96/ComfyUI-GGUF, see "
+                                     "--gguf-pack); default: the compute dtype")
+            parser.add_argument("--gguf-pack", default=os.environ.get("COMFYUI_GGUF_PATH"),
+                                help="comfyui workload: a city96/ComfyUI-GGUF checkout, for --weight-dtype "
+                                     "gguf_q8_0 (default: $COMFYUI_GGUF_PATH)")
 
         def cases(self, args):
             return bench.WORKLOADS["wan-self-attention"].cases(args)
@@ -240,7 +326,7 @@ def make_workload(bench):
                     f"{CHUNK_MIN_TOKENS} -> {max(1, math.ceil(CHUNK_MIN_TOKENS / scale))} tokens."]
 
         def setup(self, case, device, dtype, args):
-            block = build_block(device, dtype, args.seed, WEIGHT_DTYPES[args.weight_dtype])
+            block = build_block(device, dtype, args.seed, WEIGHT_DTYPES[args.weight_dtype], args.gguf_pack)
             generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
             x0 = torch.randn(1, case.tokens, WIDTH, generator=generator).to(device=device, dtype=dtype)
             e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to(device=device, dtype=dtype)
@@ -249,8 +335,14 @@ def make_workload(bench):
             inputs = dict(e=e, freqs=freqs, context=context)
             live = [block, x0, e, freqs, context]
 
+            tracked = contextlib.nullcontext
+            if args.weight_dtype == GGUF_Q8_0 and device.type == "cpu":
+                def tracked():
+                    return gguf_under_memory_tracker(import_gguf_ops(args.gguf_pack))
+
             def stock(xl):
-                return block(xl[0], **inputs)
+                with tracked():
+                    return block(xl[0], **inputs)
 
             methods = [bench.Method(f"stock (ComfyUI v{self.version})", stock, 1)]
             for level in args.levels:
@@ -259,22 +351,23 @@ def make_workload(bench):
                 groups = group_count(HEADS, case.tokens, level)
 
                 def attention_only(xl, config=config):
-                    with patched_attention(block, config):
+                    with patched_attention(block, config), tracked():
                         return block(xl[0], **inputs)
 
                 def bounded(xl, forward=wan.bounded_block_forward(block, config)):
-                    return forward(xl[0], **inputs)
+                    with tracked():
+                        return forward(xl[0], **inputs)
 
                 methods.append(bench.Method(f"qkv attention only {level_name}", attention_only, groups))
                 methods.append(bench.Method(f"qkv block {level_name}", bounded, groups))
 
-            weights = sum(p.numel() * p.element_size() for p in block.parameters())
+            weights = sum(p.untyped_storage().nbytes() for p in block.parameters())
             rope = flux_math.apply_rope1
             notes = [f"ComfyUI {self.version}; attention: comfy.ldm.modules.attention.optimized_attention = "
                      f"{getattr(comfy_attention.optimized_attention, '__name__', '?')}; apply_rope1: "
                      f"{getattr(rope, '__module__', '?')}.{getattr(rope, '__name__', '?')} ({kitchen_note()}); qkv backend "
                      f"{args.qkv_backend}; block weights {weights / GiB:.2f} GiB ({args.weight_dtype}"
-                     f"{'' if args.weight_dtype == 'same' else ', manual cast'})"]
+                     f"{', manual cast' if args.weight_dtype.startswith('fp8_e') else ''})"]
             if args.levels:
                 cost = self_check_ms(block, x0, inputs, QKVConfig(max(args.levels), args.qkv_backend, True))
                 notes.append(f"self-check of the bounded block (once per process): {cost:.1f} ms")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import comfy.model_management
 import comfy.ops
 
-from ..qkv_core import PreparedProjection, RowProjection, WeightRows, WholeProjection
+from ..qkv_core import PreparedProjection, RowProjection, RowsOnDemand, WeightRows, WholeProjection
 
 _CAST_OFFLOADABLE = "offloadable" in inspect.signature(comfy.ops.cast_bias_weight).parameters
 _UNCAST = getattr(comfy.ops, "uncast_bias_weight", None)
@@ -215,8 +215,91 @@ class ComfyLinearRows(RowProjection):
             return WeightRows(x, weight, bias, on_release=lambda: context.__exit__(None, None, None))
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
+        weight_rows = row_caster(self.linear, x)
+        if weight_rows is not None:
+            return RowsOnDemand(x, self.linear.weight.shape[0], weight_rows)
         cast = CastLinear(self.linear, x)
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
+
+
+def _plain_tensor(t) -> bool:
+    return t is None or (torch.is_tensor(t) and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def row_caster(linear, x: torch.Tensor) -> Optional[Callable[[int, int], tuple]]:
+    """`(start, stop) -> (weight rows, bias rows)` as the layer's cast would make them, casting only those
+    rows, or None where only the whole cast is exact or safe (then the whole weight is cast once per call).
+
+    Rows, for weights already on `x`'s device with nothing applied on the fly (no LoRA weight function, no
+    GGUF patch), outside ComfyUI's Dynamic VRAM (whose cast is its own):
+    - stored in another dtype and cast per call (fp8 with `weight_dtype fp8_*`, 16-bit weights computed in
+      another dtype): an elementwise cast, so the rows of the cast are the cast of the rows;
+    - GGUF (city96/ComfyUI-GGUF): every quantized block lies inside one row (a row is whole blocks), so the
+      layer's own `get_weight` on a row slice of the raw blocks dequantizes exactly those rows.
+    Why: the whole cast weight of k and v stays beside the input for the layer call; at 720p a Wan 14B
+    weight is 0.07 |x| each, and holding them put the block at 2.54 |x| (H200, fp8)."""
+    weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
+    if (hasattr(linear, "_v") or getattr(linear, "weight_function", None) or getattr(linear, "bias_function", None)
+            or weight is None or weight.device != x.device or (bias is not None and bias.device != x.device)):
+        return None
+    if dequantizes_itself(linear):
+        return _gguf_row_caster(linear, x)
+    if not (_needs_cast(linear) or weight.dtype != x.dtype) or not (_plain_tensor(weight) and _plain_tensor(bias)):
+        return None
+    if not_row_sliceable(linear) is not None or not weight.dtype.is_floating_point:
+        return None
+    scale = getattr(linear, "scale_weight", None)
+    if scale is not None and (not torch.is_tensor(scale) or scale.numel() != 1):
+        return None
+    dtype = x.dtype
+
+    def weight_rows(start: int, stop: int):
+        rows = weight[start:stop].to(dtype)
+        if scale is not None:   # as CastLinear applies an old scaled-fp8 layer's per-tensor scale
+            rows = rows * scale.to(device=rows.device, dtype=rows.dtype)
+        return rows, None if bias is None else bias[start:stop].to(dtype)
+    return weight_rows
+
+
+def _gguf_row_caster(linear, x: torch.Tensor):
+    weight, bias = linear.weight, linear.bias
+    shape = getattr(weight, "tensor_shape", None)
+    if (getattr(weight, "patches", None) or getattr(bias, "patches", None) or shape is None or len(shape) != 2
+            or weight.dim() != 2 or weight.shape[0] != shape[0] or not callable(getattr(linear, "get_weight", None))):
+        return None   # LoRA patches apply to the whole weight; a layout whose raw rows are not the weight's
+    dtype = x.dtype
+    whole_bias = None if bias is None else linear.get_weight(bias, dtype)
+    if whole_bias is not None:
+        whole_bias = comfy.model_management.cast_to(whole_bias, dtype, x.device)
+
+    def weight_rows(start: int, stop: int):
+        rows = weight[start:stop]   # a view of the same class: give it the row slice's description
+        rows.tensor_type, rows.tensor_shape, rows.patches = weight.tensor_type, torch.Size((stop - start, shape[1])), []
+        rows = comfy.model_management.cast_to(linear.get_weight(rows, dtype), dtype, x.device)
+        return rows, None if whole_bias is None else whole_bias[start:stop]
+    return weight_rows
+
+
+def linear_handed_off(linear, x_list: list, like: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` of `[x]` (the list is cleared: the caller holds no other reference), as the layer computes
+    it. A layer that quantizes its input for an fp8 matmul drops the 16-bit `x` as soon as it is quantized, so
+    the product is made beside the fp8 copy (0.5 |x|) rather than beside both. `like`: a tensor of the
+    compute dtype and device (for the cast)."""
+    x = x_list.pop()
+    x_list.clear()
+    rows = ComfyLinearRows(linear)
+    if rows._mode == "quantized":
+        prepared = QuantizedRows(linear, x)
+        del x
+        try:
+            return prepared.full()
+        finally:
+            prepared.release()
+    cast = CastLinear(linear, like)
+    try:
+        return cast(x)
+    finally:
+        cast.release()
 
 
 # The quantized input of a layer call, shared by the layers that quantize the same input the same way (q, k

@@ -18,8 +18,8 @@ import comfy.model_management
 
 from ..qkv_core import WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
 from . import compat
-from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, module_rows, norm_weight,
-                        not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
+from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, module_rows,
+                        norm_weight, not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
 
 FAMILY = "Wan"
@@ -351,14 +351,12 @@ def self_attention_phase(block, x, mod, freqs, config, transformer_options, step
     modulated = torch.empty_like(x)
     for a, b in token_ranges(tokens, step):
         torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
-    attention = self_attention(block.self_attn, [modulated], freqs, config, transformer_options, BLOCK_KEPT_KEYS)
-    del modulated
-    out = CastLinear(block.self_attn.o, x)
-    try:
-        y = out(attention.flatten(2))
-    finally:
-        out.release()
+    handed_off = [modulated]
+    del modulated   # the runtime holds the only reference: a projection that no longer needs it frees it
+    attention = self_attention(block.self_attn, handed_off, freqs, config, transformer_options, BLOCK_KEPT_KEYS)
+    handed_off = [attention.flatten(2)]
     del attention
+    y = linear_handed_off(block.self_attn.o, handed_off, x)
     for a, b in token_ranges(tokens, step):
         torch.addcmul(x[:, a:b], y[:, a:b], mod(2, a, b), out=y[:, a:b])
     return y

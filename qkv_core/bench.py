@@ -557,8 +557,10 @@ def setup_comfyui(root: Path, device: torch.device, flags=()) -> list:
         comfy.cli_args.args.use_pytorch_cross_attention = True
         notes.append("ComfyUI flags: --cpu --use-pytorch-cross-attention")
     for flag in flags:   # ComfyUI's command-line flags, e.g. use_ck_attention for --use-ck-attention
-        name = flag.lstrip("-").replace("-", "_")
+        name = flag.lstrip("?-").replace("-", "_")
         if not hasattr(comfy.cli_args.args, name):
+            if flag.startswith("?"):   # wanted where this ComfyUI has it
+                continue
             raise SystemExit(f"--comfy-flag: this ComfyUI has no flag {flag!r}")
         setattr(comfy.cli_args.args, name, True)
         notes.append(f"ComfyUI flag: --{name.replace('_', '-')}")
@@ -583,22 +585,45 @@ def load_comfyui_workload(path: Optional[str], device: torch.device, flags=()) -
     `nodes/wan.py` (`from ..qkv_core import ...`, `from .comfy_ops import ...`) work. `<PACK_PACKAGE>.qkv_core`
     is this process's `qkv_core` (same module objects), so `scaled_runtime` and the notices reach the code
     the adapter calls."""
-    if not COMFYUI_WORKLOAD_FILE.is_file():
-        raise SystemExit(f"--comfyui needs the repository checkout (no {COMFYUI_WORKLOAD_FILE})")
+    module, root, notes = _load_pack_module("bench_wan", path, device, flags)
+    workload = module.make_workload(sys.modules[__name__])
+    workload.comfyui_root = str(root)
+    workload.setup_notes = [f"ComfyUI from {root}"] + notes
+    return workload
+
+
+def _load_pack_module(name: str, path: Optional[str], device: torch.device, flags=()):
+    """ComfyUI set up, and the pack's `nodes/<name>.py` imported (see `load_comfyui_workload`)."""
+    if not (PACK_ROOT / "nodes" / f"{name}.py").is_file():
+        raise SystemExit(f"--comfyui needs the repository checkout (no nodes/{name}.py)")
     root = find_comfyui(path)
     notes = setup_comfyui(root, device, flags)
     if PACK_PACKAGE not in sys.modules:
         pack = _package(PACK_PACKAGE, PACK_ROOT)
         _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
-        for name, module in list(sys.modules.items()):
-            if name == "qkv_core" or name.startswith("qkv_core."):
-                sys.modules[f"{PACK_PACKAGE}.{name}"] = module
+        for module_name, module in list(sys.modules.items()):
+            if module_name == "qkv_core" or module_name.startswith("qkv_core."):
+                sys.modules[f"{PACK_PACKAGE}.{module_name}"] = module
         pack.qkv_core = qkv_core
-    module = importlib.import_module(PACK_PACKAGE + ".nodes.bench_wan")
-    workload = module.make_workload(sys.modules[__name__])
-    workload.comfyui_root = str(root)
-    workload.setup_notes = [f"ComfyUI from {root}"] + notes
-    return workload
+    return importlib.import_module(f"{PACK_PACKAGE}.nodes.{name}"), root, notes
+
+
+def run_whole_model(argv) -> int:
+    """`--comfyui PATH --whole-model ...`: a whole Wan 14B sampled through ComfyUI (nodes/bench_wan_model.py,
+    whose options follow). ComfyUI's Dynamic VRAM loader is turned off before ComfyUI is imported unless
+    `--dynamic-vram` is given."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _comfyui_option(pre)
+    pre.add_argument("--whole-model", action="store_true")
+    pre.add_argument("--device", default=None)
+    known, rest = pre.parse_known_args(argv)
+    flags = list(known.comfy_flag)
+    if "--dynamic-vram" not in rest:
+        flags.append("?disable-dynamic-vram")   # v0.33+; older ComfyUI has only the estimate-based loader
+    device = _device(known.device)
+    module, root, notes = _load_pack_module("bench_wan_model", known.comfyui or None, device, flags)
+    print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
+    return module.main(rest + (["--device", known.device] if known.device else []))
 
 # ------------------------------------------------------------------------------------------------------
 # main
@@ -704,6 +729,9 @@ def scaling_note(args, cases) -> Optional[str]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--whole-model" in argv:
+        return run_whole_model(argv)
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)

@@ -91,6 +91,41 @@ class WeightRows(PreparedProjection):
             on_release()
 
 
+class RowsOnDemand(PreparedProjection):
+    """Rows of `x @ W.T + b` where only the rows asked for are made ready: `weight_rows(start, stop)` returns
+    the rows of the weight and bias `(stop - start, in)`, `(stop - start,)` or None, cast as the whole
+    weight would be (an elementwise cast or a dequantization by rows gives the same values). Only one range
+    is held at a time, so a layer call holds a head group's rows of its weight, not the whole cast weight
+    beside the input; the last range is reused (a pass over token chunks of the same rows casts once)."""
+
+    by_tokens = True
+
+    def __init__(self, x: torch.Tensor, out_features: int,
+                 weight_rows: Callable[[int, int], tuple[torch.Tensor, Optional[torch.Tensor]]]):
+        self.x, self.out_features, self._weight_rows = x, out_features, weight_rows
+        self._range: Optional[tuple[int, int]] = None
+        self._rows: Optional[WeightRows] = None
+
+    def _ready(self, start: int, stop: int) -> WeightRows:
+        if self._range != (start, stop):
+            self._rows = self._range = None   # drop the previous range first: never two at once
+            weight, bias = self._weight_rows(start, stop)
+            self._rows, self._range = WeightRows(self.x, weight, bias), (start, stop)
+        return self._rows
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self._ready(start, stop).rows(0, stop - start)
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        self._ready(start, stop).rows_into(out, 0, stop - start, token_start)
+
+    def full(self) -> torch.Tensor:
+        return self._ready(0, self.out_features).full()
+
+    def release(self) -> None:
+        self.x = self._rows = self._range = self._weight_rows = None
+
+
 class LinearRows(RowProjection):
     """`torch.nn.Linear` by rows: rows of the weight are contiguous, so a slice is a free view."""
 

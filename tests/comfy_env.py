@@ -689,7 +689,7 @@ def make_wan(kind="t2v", dim=128, heads=4, layers=2, ffn_dim=None, text_dim=32, 
 
 
 def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True, fmt="float8_e4m3fn",
-                        full_precision_mm=False, seed=0, **extra_config):
+                        full_precision_mm=False, seed=0, dtype=None, **extra_config):
     """Tiny Wan loaded the way ComfyUI loads an fp8-scaled checkpoint (Comfy-Org's `*_fp8_scaled` files):
     ComfyUI's mixed-precision ops (`comfy.ops.mixed_precision_ops`), the blocks' 2-D Linear weights stored as
     fp8 with a per-tensor `weight_scale` (and `input_scale`) and a `comfy_quant` entry, so they load as
@@ -717,8 +717,9 @@ def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True
         sd[prefix + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
     cls, cfg = _wan_config(kind, dim, heads, layers, None, 32, 1, extra_config)
     model_config = cls(cfg)
-    model_config.set_inference_dtype(torch.float32, None)
-    model_config.custom_operations = comfy.ops.mixed_precision_ops({}, torch.float32)
+    dtype = dtype or torch.float32
+    model_config.set_inference_dtype(dtype, None)
+    model_config.custom_operations = comfy.ops.mixed_precision_ops({}, dtype)
     model = model_config.get_model({}, device=torch.device("cpu"))
     missing, unexpected = model.diffusion_model.load_state_dict(sd, strict=False)
     if missing or unexpected:

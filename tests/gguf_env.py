@@ -45,6 +45,7 @@ What ComfyUI-GGUF does with such a layer (ops.py, commit 795e451), for the tests
 
 from __future__ import annotations
 
+
 import importlib
 import importlib.machinery
 import importlib.util
@@ -444,3 +445,12 @@ def linear_layers(patcher, quantized=True):
             if not quantized or is_quantized(m.weight):
                 out[name] = m
     return out
+
+
+
+def under_memory_tracker():
+    """ComfyUI-GGUF's layers made to run under the CPU's `MemTracker` for the duration (the pack's benchmark
+    helper `gguf_under_memory_tracker`: measurement only, nothing computed changes)."""
+    pack = comfy_env.load_pack()
+    bench_wan = importlib.import_module(pack.__name__ + ".nodes.bench_wan")
+    return bench_wan.gguf_under_memory_tracker(pack_module("ops"))

@@ -63,3 +63,28 @@ def test_rows_into_whole_then_slice_and_default():
     out = torch.empty(2, 5, 10, dtype=torch.float64)
     plain.rows_into(out, 3, 13, token_start=20)
     torch.testing.assert_close(out, expected[:, 20:25, 3:13])
+
+
+def test_rows_on_demand_casts_only_the_rows_asked_for():
+    """`RowsOnDemand` (weights stored in another dtype, cast per call): each range is cast once when asked,
+    one range is held at a time, and every result equals the whole cast weight's rows."""
+    linear = make_linear(48, 96, seed=4, dtype=torch.float64)
+    stored = linear.weight.to(torch.float16)           # the stored format, cast to x's dtype per row range
+    x = randn(2, 30, 48, seed=5).double()
+    asked = []
+
+    def weight_rows(start, stop):
+        asked.append((start, stop))
+        return stored[start:stop].double(), linear.bias[start:stop]
+
+    prepared = qc.RowsOnDemand(x, 96, weight_rows)
+    whole = F.linear(x, stored.double(), linear.bias)
+    buffer = torch.empty(2, 10, 96, dtype=torch.float64)
+    for token_start in (0, 10, 20):                    # a pass over token chunks of the same rows: cast once
+        prepared.rows_into(buffer, 0, 96, token_start)
+        torch.testing.assert_close(buffer, whole[:, token_start:token_start + 10], rtol=0, atol=1e-12)
+    torch.testing.assert_close(prepared.rows(32, 64), whole[..., 32:64], rtol=0, atol=1e-12)
+    torch.testing.assert_close(prepared.full(), whole, rtol=0, atol=1e-12)
+    assert asked == [(0, 96), (32, 64), (0, 96)]
+    prepared.release()
+    assert prepared.x is None

@@ -1,0 +1,357 @@
+"""Benchmark: a whole Wan 2.x 14B sampled through ComfyUI's own model management, planned for a consumer card.
+
+`python -m qkv_core.bench --comfyui PATH --whole-model [options]` (`qkv_core/bench.py` sets ComfyUI up and loads
+this file inside a package made for the pack, as it does for `bench_wan.py`). Not part of the node pack's runtime.
+
+What it does, per weight format (one process, the state dict made once):
+- a Wan 2.1 14B T2V state dict with random weights, in the format a user's file has (bf16; bf16 loaded with
+  `weight_dtype fp8_e4m3fn`; an fp8-scaled file; a GGUF Q8_0 file through city96/ComfyUI-GGUF's own loader
+  path), loaded by `comfy.sd.load_diffusion_model_state_dict` as the diffusion model loader does;
+- for each simulated card (`--cards 16,24`, GiB): ComfyUI plans for the card (`EXTRA_RESERVED_VRAM`, what
+  `--reserve-vram` sets, = the H200's memory less the card's, plus ComfyUI's own default reserve) and the
+  card is enforced (`torch.cuda.set_per_process_memory_fraction`: going over it raises out-of-memory as on
+  the card);
+- stock, then the pack (`apply_patch`, High + block bounds): `comfy.sample.sample` (euler, simple) of a
+  720p x 81-frame latent (`--frames`, `--size`), cfg 5, `--steps` steps. Reported: seconds per step (the
+  model calls, CUDA-synchronised, of the steps after the first; of the first with --steps 1), weights ComfyUI
+  kept on the GPU, peak VRAM allocated during sampling, ComfyUI's memory factor for the run, out-of-memory.
+- `--search-frames`: the most frames (in steps of `--frame-step`) that sample without running out of memory
+  on the first card: stock from `--frames` up, the pack from twice stock's frames up (or down, if that does
+  not fit). A probe stops after the first model call of the first step: every later call repeats its shapes
+  and ComfyUI's loaded weights, so its peak is the run's.
+
+The pack's first run in a process plans with ComfyUI's own estimate (its forwards are not verified yet); a
+user's later runs plan with the measured factor. The benchmark does one small warm-up run of the pack first,
+so that the runs it reports are those later runs. Dynamic VRAM (ComfyUI v0.33's default loader) is off
+unless `--dynamic-vram`: on the lent H200 its stock load fails with "CUDA error: invalid argument".
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import logging
+import math
+import os
+import time
+
+import torch
+
+import comfy.cli_args
+import comfy.ldm.wan.model as wan_model
+import comfy.model_management
+import comfy.ops
+
+from .bench_wan import FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0
+from .patching import apply_patch
+from .report import logger
+
+GiB = float(1 << 30)
+FORMATS = ("bf16", "fp8_e4m3fn", FP8_SCALED, GGUF_Q8_0)
+# Wan 2.1 / 2.2 14B (T2V), as ComfyUI's model detection finds it in a checkpoint
+WAN_14B = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=5120, ffn_dim=13824,
+               freq_dim=256, text_dim=4096, out_dim=16, num_heads=40, num_layers=40, window_size=(-1, -1),
+               qk_norm=True, cross_attn_norm=True, eps=1e-6)
+TEXT_TOKENS = 512
+
+
+class _FactorLog(logging.Handler):
+    """Keeps the pack's "[QKV] run: memory estimate xF (why)" line of a run."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.message = None
+
+    def emit(self, record):
+        text = record.getMessage()
+        if "memory estimate" in text:
+            self.message = text.split("run: ", 1)[-1]
+
+
+class ProbeDone(Exception):
+    """Raised after the first model call of a probe: its peak is the run's."""
+
+
+def _random_like(shape, name: str, generator, device) -> torch.Tensor:
+    """Values like a trained model's scale: Linear/conv weights N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2),
+    modulation N(0, 0.3^2), the rest N(0, 0.02^2); float32 on `device`."""
+    v = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "weight" and "norm" in name:
+        return v.mul_(0.1).add_(1.0)
+    if leaf == "weight" and len(shape) >= 2:
+        return v.div_(math.sqrt(math.prod(shape[1:])))
+    if "modulation" in leaf:
+        return v.mul_(0.3)
+    return v.mul_(0.02)
+
+
+def _quantizable(key: str, shape) -> bool:
+    """The Linear weights of the blocks: what fp8-scaled and GGUF files of Wan quantize."""
+    return key.startswith("blocks.") and key.endswith(".weight") and len(shape) == 2 and "norm" not in key
+
+
+def _convert(key: str, value: torch.Tensor, fmt: str, gguf_ops) -> dict:
+    """{key: tensor} of one float32 tensor as a file of `fmt` stores it (on the tensor's device)."""
+    quantize = _quantizable(key, value.shape)
+    if fmt in ("bf16", "fp8_e4m3fn"):        # fp8_e4m3fn: a bf16 file loaded with weight_dtype fp8_e4m3fn
+        return {key: value.to(torch.bfloat16)}
+    if fmt == FP8_SCALED:
+        if not quantize:
+            return {key: value.to(torch.bfloat16)}
+        prefix = key[:-len("weight")]
+        scale = value.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        quant = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
+        return {key: (value / scale).to(torch.float8_e4m3fn), prefix + "weight_scale": scale.reshape(()),
+                prefix + "comfy_quant": quant}
+    types = gguf_ops.gguf.GGMLQuantizationType
+    if quantize:
+        return {key: gguf_ops.GGMLTensor(quantize_q8_0(value), tensor_type=types.Q8_0, tensor_shape=value.shape)}
+    return {key: gguf_ops.GGMLTensor(value, tensor_type=types.F32, tensor_shape=value.shape)}
+
+
+def wan_state_dict(fmt: str, config: dict, device, seed: int = 0, gguf_ops=None) -> dict:
+    """A random-weight Wan state dict (ComfyUI's key names, as in a diffusion-model file) in `fmt`, on the CPU.
+    Block 0 is drawn on `device` and converted there; the other blocks are copies of it (random values do
+    not change memory or time; drawing 14B of them on a CPU would take minutes)."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in
+                  wan_model.WanModel(**config, operations=comfy.ops.disable_weight_init).state_dict().items()}
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sd, block0 = {}, {}
+    for key, shape in shapes.items():
+        if key.startswith("blocks.") and not key.startswith("blocks.0."):
+            continue
+        converted = _convert(key, _random_like(shape, key, generator, device), fmt, gguf_ops)
+        for k, v in converted.items():
+            (block0 if key.startswith("blocks.0.") else sd)[k] = v.cpu() if v.device.type != "cpu" else v
+    sd.update(block0)
+    for index in range(1, config["num_layers"]):
+        for k, v in block0.items():
+            copy = v.clone()
+            if gguf_ops is not None and isinstance(v, gguf_ops.GGMLTensor):
+                copy = gguf_ops.GGMLTensor(v.as_subclass(torch.Tensor).clone(), tensor_type=v.tensor_type,
+                                           tensor_shape=v.tensor_shape)
+            sd["blocks.%d.%s" % (index, k[len("blocks.0."):])] = copy
+    return sd
+
+
+def load_model(fmt: str, sd: dict, dynamic: bool, gguf_pack=None):
+    """The ModelPatcher the diffusion model loader (or ComfyUI-GGUF's UnetLoaderGGUF) makes of `sd`."""
+    import comfy.sd
+    options, gguf_nodes = {}, None
+    if fmt == "fp8_e4m3fn":
+        options["dtype"] = torch.float8_e4m3fn
+    if fmt == GGUF_Q8_0:
+        ops = import_gguf_ops(gguf_pack)
+        operations = ops.GGMLOps()
+        operations.Linear.dequant_dtype = operations.Linear.patch_dtype = None   # the loader's defaults
+        options["custom_operations"] = operations
+        gguf_nodes = import_gguf_ops(gguf_pack, "nodes")
+    extra = {}
+    if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
+        extra["disable_dynamic"] = not dynamic
+    patcher = comfy.sd.load_diffusion_model_state_dict(sd, model_options=options, **extra)
+    if patcher is None:
+        raise SystemExit(f"ComfyUI did not detect a model in the {fmt} state dict")
+    if gguf_nodes is not None:
+        patcher = gguf_nodes.GGUFModelPatcher.clone(patcher)
+        patcher.patch_on_device = False
+    return patcher
+
+
+def plan_for_card(card_gib: float, default_reserve: float) -> None:
+    """ComfyUI plans as on a card of `card_gib` GiB (what `--reserve-vram` sets) and the card is enforced."""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    card = card_gib * GiB
+    if card > total:
+        raise SystemExit(f"--cards: {card_gib} GiB is more than this GPU's {total / GiB:.1f} GiB")
+    comfy.model_management.EXTRA_RESERVED_VRAM = int(total - card + default_reserve)
+    torch.cuda.set_per_process_memory_fraction(card / total)
+
+
+def free_everything() -> None:
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def conditioning(device_seed: int, text_dim: int):
+    g = torch.Generator().manual_seed(device_seed)
+    positive = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
+    negative = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
+    return positive, negative
+
+
+def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool, text_dim: int, seed: int = 0):
+    """One `comfy.sample.sample` run (euler, simple) of a `frames` x `size` (w, h) latent: a result record."""
+    import comfy.sample
+    width, height = size
+    latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    positive, negative = conditioning(seed, text_dim)
+    calls, step_marks = [], []
+    cuda = torch.cuda.is_available()
+
+    def timed(apply_model, args):
+        if cuda:
+            torch.cuda.synchronize()
+        if not calls:   # ComfyUI has loaded what it keeps on the GPU by the first call
+            record["weights_on_gpu_gib"] = patcher.loaded_size() / GiB
+        start = time.perf_counter()
+        out = apply_model(args["input"], args["timestep"], **args["c"])
+        if cuda:
+            torch.cuda.synchronize()
+        calls.append((len(step_marks), time.perf_counter() - start, args["input"].shape[0]))
+        if probe:
+            raise ProbeDone()
+        return out
+
+    run = patcher.clone()
+    run.set_model_unet_function_wrapper(timed)
+    record = {"frames": frames, "size": f"{width}x{height}", "tokens": noise.shape[2] * (height // 16) * (width // 16),
+              "steps": steps, "cfg": cfg}
+    free_everything()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    factor = _FactorLog()
+    logger.addHandler(factor)
+    start = time.perf_counter()
+    try:
+        comfy.sample.sample(run, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                            callback=lambda *a: step_marks.append(time.perf_counter()), disable_pbar=True,
+                            seed=seed)
+        record["fits"] = True
+    except ProbeDone:
+        record["fits"] = True
+    except torch.OutOfMemoryError as e:
+        record["fits"], record["error"] = False, str(e).split("\n")[0][:160]
+    finally:
+        logger.removeHandler(factor)
+    record["wall_s"] = time.perf_counter() - start
+    if factor.message:
+        record["pack_memory_estimate"] = factor.message
+    if cuda:
+        record["peak_vram_gib"] = torch.cuda.max_memory_allocated() / GiB
+    timed_steps = {step for step, _, _ in calls if step > 0 or steps == 1}
+    if calls and timed_steps:
+        record["s_per_step"] = sum(t for step, t, _ in calls if step in timed_steps) / len(timed_steps)
+        record["calls_per_step"] = sum(1 for step, _, _ in calls if step in timed_steps) / len(timed_steps)
+    del run, calls
+    free_everything()
+    return record
+
+
+def search_frames(fits, first: int, step: int, most: int):
+    """The most frames (`first` + a multiple of `step`, at most `most`) for which `fits(frames)` holds: up from
+    `first` while it fits, else down until it does. None when nothing down to `step` frames fits."""
+    frames, best = first, None
+    if fits(frames):
+        best = frames
+        while frames + step <= most and fits(frames + step):
+            frames += step
+            best = frames
+        return best
+    while frames - step >= 1:
+        frames -= step
+        if fits(frames):
+            return frames
+    return None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qkv_core.bench --comfyui PATH --whole-model",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", default="fp8_scaled",
+                        help=f"comma-separated, of {', '.join(FORMATS)} (default fp8_scaled)")
+    parser.add_argument("--cards", default="16,24", help="simulated card sizes in GiB (default 16,24)")
+    parser.add_argument("--frames", type=int, default=81)
+    parser.add_argument("--size", default="1280x720", help="width x height (default 1280x720)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--cfg", type=float, default=5.0)
+    parser.add_argument("--methods", default="stock,pack")
+    parser.add_argument("--level", default="High", help="the pack's head split level (default High)")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--search-frames", action="store_true",
+                        help="also find the most frames that fit on the first card, stock and pack")
+    parser.add_argument("--search-only", action="store_true", help="only the search (implies --search-frames)")
+    parser.add_argument("--frame-step", type=int, default=40, help="frames between search probes (default 40)")
+    parser.add_argument("--max-frames", type=int, default=321)
+    parser.add_argument("--layers", type=int, default=WAN_14B["num_layers"],
+                        help="blocks (default 40; fewer only for a quick check)")
+    parser.add_argument("--dynamic-vram", action="store_true", help="keep ComfyUI's Dynamic VRAM loader on")
+    parser.add_argument("--gguf-pack", default=os.environ.get("COMFYUI_GGUF_PATH"),
+                        help="a city96/ComfyUI-GGUF checkout, for gguf_q8_0 (default: $COMFYUI_GGUF_PATH)")
+    parser.add_argument("--json", default=None, help="also write the records to this file (JSON lines)")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")   # ComfyUI's loading lines and the pack's
+    logging.getLogger().setLevel(logging.INFO)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise SystemExit(f"--formats: {fmt!r} is not one of {', '.join(FORMATS)}")
+    cards = [float(c) for c in args.cards.split(",") if c.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    size = tuple(int(v) for v in args.size.lower().split("x"))
+    cuda = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+    config = dict(WAN_14B, num_layers=args.layers)
+    device = torch.device("cuda" if cuda else "cpu")
+    default_reserve = comfy.model_management.EXTRA_RESERVED_VRAM
+    print(f"ComfyUI {comfyui_version()}, torch {torch.__version__}, {kitchen_note()}; "
+          f"{torch.cuda.get_device_name() if cuda else 'CPU'}; Dynamic VRAM "
+          f"{'on' if args.dynamic_vram else 'off'}; Wan 14B T2V, {args.layers} blocks, random weights", flush=True)
+    out = open(args.json, "a") if args.json else None
+
+    def emit(record):
+        print(json.dumps(record), flush=True)
+        if out is not None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+
+    def probe(model, frames):
+        record = sample_once(model, frames, size, 1, args.cfg, True, config["text_dim"])
+        emit(dict(record, format=fmt, card_gib=cards[0], method="stock" if model is base else "pack", probe=True))
+        return record["fits"]
+
+    for fmt in formats:
+        t0 = time.perf_counter()
+        gguf_ops = import_gguf_ops(args.gguf_pack) if fmt == GGUF_Q8_0 else None
+        sd = wan_state_dict(fmt, config, device, gguf_ops=gguf_ops)
+        base = load_model(fmt, sd, args.dynamic_vram, args.gguf_pack)
+        del sd
+        print(f"[{fmt}] state dict + load: {time.perf_counter() - t0:.1f} s", flush=True)
+        patched, report = apply_patch(base, args.level, args.backend, True)
+        if not report.any_patched:
+            print(f"[{fmt}] the pack did not patch the model: {report.lines()}")
+        models = {"stock": base, "pack": patched}
+        if "pack" in methods:   # a user's first run: the self-check (small), so later runs plan as measured
+            warm = sample_once(patched, 5, (480, 272), 1, args.cfg, True, config["text_dim"])
+            print(f"[{fmt}] pack warm-up (self-check): {warm['wall_s']:.1f} s", flush=True)
+        for card in ([] if args.search_only else cards):
+            if cuda:
+                plan_for_card(card, default_reserve)
+            for method in methods:
+                record = sample_once(models[method], args.frames, size, args.steps, args.cfg, False, config["text_dim"])
+                emit(dict(record, format=fmt, card_gib=card, method=method))
+        if args.search_frames or args.search_only:
+            if cuda:
+                plan_for_card(cards[0], default_reserve)
+            stock_best = None
+            for method in methods:
+                first = args.frames if method == "stock" or not stock_best else min(2 * stock_best - 1,
+                                                                                      args.max_frames)
+                best = search_frames(lambda frames: probe(models[method], frames), first, args.frame_step,
+                                     args.max_frames)
+                emit({"format": fmt, "card_gib": cards[0], "method": method, "most_frames": best,
+                      "frame_step": args.frame_step, "max_frames": args.max_frames})
+                if method == "stock":
+                    stock_best = best
+        del models, patched, base
+        free_everything()
+    if out is not None:
+        out.close()
+    return 0
