@@ -125,7 +125,8 @@ def wan_state_dict(fmt: str, config: dict, device, seed: int = 0, gguf_ops=None)
             continue
         converted = _convert(key, _random_like(shape, key, generator, device), fmt, gguf_ops)
         for k, v in converted.items():
-            (block0 if key.startswith("blocks.0.") else sd)[k] = v.cpu() if v.device.type != "cpu" else v
+            # .to(), not .cpu(): ComfyUI-GGUF's tensor class keeps its attributes through .to() only
+            (block0 if key.startswith("blocks.0.") else sd)[k] = v.to("cpu") if v.device.type != "cpu" else v
     sd.update(block0)
     for index in range(1, config["num_layers"]):
         for k, v in block0.items():
@@ -148,7 +149,11 @@ def load_model(fmt: str, sd: dict, dynamic: bool, gguf_pack=None):
         operations = ops.GGMLOps()
         operations.Linear.dequant_dtype = operations.Linear.patch_dtype = None   # the loader's defaults
         options["custom_operations"] = operations
-        gguf_nodes = import_gguf_ops(gguf_pack, "nodes")
+        try:   # its ModelPatcher subclass (LoRA on quantized weights, mmap release); needs ComfyUI's nodes
+            gguf_nodes = import_gguf_ops(gguf_pack, "nodes")
+        except ImportError as e:
+            print(f"[{fmt}] ComfyUI-GGUF's nodes do not import here ({e}): ComfyUI's own ModelPatcher holds "
+                  f"the GGUF model (the same loading without LoRAs and mmapped files)", flush=True)
     extra = {}
     if "disable_dynamic" in inspect.signature(comfy.sd.load_diffusion_model_state_dict).parameters:
         extra["disable_dynamic"] = not dynamic
@@ -266,7 +271,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkv_core.bench --comfyui PATH --whole-model",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="fp8_scaled",
-                        help=f"comma-separated, of {', '.join(FORMATS)} (default fp8_scaled)")
+                        help=f"comma-separated, of {', '.join(FORMATS)} (default fp8_scaled); FORMAT:GIB runs "
+                             f"that format on that card only (repeatable)")
     parser.add_argument("--cards", default="16,24", help="simulated card sizes in GiB (default 16,24)")
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--size", default="1280x720", help="width x height (default 1280x720)")
@@ -290,11 +296,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")   # ComfyUI's loading lines and the pack's
     logging.getLogger().setLevel(logging.INFO)
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    for fmt in formats:
+    cards = [float(c) for c in args.cards.split(",") if c.strip()]
+    formats, format_cards = [], {}
+    for entry in (e.strip() for e in args.formats.split(",") if e.strip()):
+        fmt, _, card = entry.partition(":")   # "fp8_e4m3fn:16": this format on this card only
         if fmt not in FORMATS:
             raise SystemExit(f"--formats: {fmt!r} is not one of {', '.join(FORMATS)}")
-    cards = [float(c) for c in args.cards.split(",") if c.strip()]
+        if fmt not in formats:
+            formats.append(fmt)
+        if card:
+            format_cards.setdefault(fmt, []).append(float(card))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     size = tuple(int(v) for v in args.size.lower().split("x"))
     cuda = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
@@ -314,7 +325,8 @@ def main(argv=None) -> int:
 
     def probe(model, frames):
         record = sample_once(model, frames, size, 1, args.cfg, True, config["text_dim"])
-        emit(dict(record, format=fmt, card_gib=cards[0], method="stock" if model is base else "pack", probe=True))
+        emit(dict(record, format=fmt, card_gib=format_cards.get(fmt, cards)[0], method="stock" if model is base
+                  else "pack", probe=True))
         return record["fits"]
 
     for fmt in formats:
@@ -331,7 +343,7 @@ def main(argv=None) -> int:
         if "pack" in methods:   # a user's first run: the self-check (small), so later runs plan as measured
             warm = sample_once(patched, 5, (480, 272), 1, args.cfg, True, config["text_dim"])
             print(f"[{fmt}] pack warm-up (self-check): {warm['wall_s']:.1f} s", flush=True)
-        for card in ([] if args.search_only else cards):
+        for card in ([] if args.search_only else format_cards.get(fmt, cards)):
             if cuda:
                 plan_for_card(card, default_reserve)
             for method in methods:
@@ -339,14 +351,14 @@ def main(argv=None) -> int:
                 emit(dict(record, format=fmt, card_gib=card, method=method))
         if args.search_frames or args.search_only:
             if cuda:
-                plan_for_card(cards[0], default_reserve)
+                plan_for_card(format_cards.get(fmt, cards)[0], default_reserve)
             stock_best = None
             for method in methods:
                 first = args.frames if method == "stock" or not stock_best else min(2 * stock_best - 1,
                                                                                       args.max_frames)
                 best = search_frames(lambda frames: probe(models[method], frames), first, args.frame_step,
                                      args.max_frames)
-                emit({"format": fmt, "card_gib": cards[0], "method": method, "most_frames": best,
+                emit({"format": fmt, "card_gib": format_cards.get(fmt, cards)[0], "method": method, "most_frames": best,
                       "frame_step": args.frame_step, "max_frames": args.max_frames})
                 if method == "stock":
                     stock_best = best

@@ -2,7 +2,7 @@
 
 - `ComfyLinearRows`: a ComfyUI Linear as a `qkv_core.RowProjection`. The weight is taken once per layer call
   through `comfy.ops.cast_bias_weight` (LoRA weight functions of partially loaded models, dtype casts incl.
-  fp8 storage, offload; `offloadable=True` + `uncast_bias_weight` where ComfyUI has them; scaled-fp8
+  fp8 storage, offload; `cast_owned`: copied out of an offload stream's shared buffer; scaled-fp8
   `scale_weight` multiplied in), or through the layer's own cast for layers that dequantize themselves
   (GGUF), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor matmuls, fp8
   matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
@@ -101,6 +101,50 @@ def _needs_cast(linear) -> bool:
                 or getattr(linear, "bias_function", None))
 
 
+_CAST_KWARGS = set(inspect.signature(comfy.ops.cast_bias_weight).parameters)
+
+
+def cast_owned(layer, x, **kwargs) -> tuple:
+    """`comfy.ops.cast_bias_weight(layer, x, **kwargs)` as `(weight, bias)` tensors the caller owns.
+
+    Why: with an offload stream (weights not on the GPU, partially loaded models) ComfyUI casts into one
+    buffer per stream that the next cast on that stream overwrites; its own layers use a weight before the
+    next layer casts, the pack holds q, k and v (and the FFN's two) at once. Measured on an H200 (a Wan 14B
+    partly offloaded on a 24 GB plan): the held weights were overwritten and the self-check found the
+    outputs different. So a cast that went through a stream is copied out of its buffer (one GPU copy of a
+    weight: microseconds), and the buffer is handed back at once (`uncast_bias_weight`), which also
+    releases Dynamic VRAM's pin. A cast with no stream returns fresh tensors (or the layer's own, on the
+    GPU already): kept as they are. `kwargs`: `compute_dtype`/`want_requant` where this ComfyUI has them."""
+    kwargs = {k: v for k, v in kwargs.items() if k in _CAST_KWARGS}
+    if not _CAST_OFFLOADABLE or _UNCAST is None:
+        return comfy.ops.cast_bias_weight(layer, x, **kwargs)
+    weight, bias, stream = comfy.ops.cast_bias_weight(layer, x, offloadable=True, **kwargs)
+    if stream is None or all(part is None for part in stream):
+        return weight, bias
+    buffers = [part for part in stream[1:] if torch.is_tensor(part)]
+    through_buffer = len(buffers) < len(stream) - 1   # a part that is not a tensor: Dynamic VRAM's pin
+
+    def owned(t, own_param):
+        if t is None or t is own_param:
+            return t
+        if through_buffer or any(t is b for b in buffers):
+            return _clone(t)
+        return t
+    weight, bias = owned(weight, getattr(layer, "weight", None)), owned(bias, getattr(layer, "bias", None))
+    _UNCAST(layer, weight, bias, stream)
+    return weight, bias
+
+
+def _clone(t):
+    if _is_quantized(t):   # the quantized data (and its scale) out of the buffer, the same layout
+        params = t._params
+        scale = getattr(params, "scale", None)
+        if torch.is_tensor(scale):
+            params = dataclasses.replace(params, scale=scale.clone())
+        return _QUANTIZED_TENSOR(t._qdata.clone(), t._layout_cls, params)
+    return t.clone()
+
+
 def not_row_sliceable(linear) -> Optional[str]:
     """None when rows of `linear`'s output can be computed exactly from row slices of its cast weight, else
     why not. Probes structure (attributes, dtypes), so an unknown layer degrades to "run whole"."""
@@ -145,7 +189,7 @@ class CastLinear:
     not cast: `cast(t)` runs the layer itself, as ComfyUI runs it (`weight` is None then)."""
 
     def __init__(self, linear, x: torch.Tensor):
-        self._linear, self._stream = linear, None
+        self._linear = linear
         self.weight = self.bias = None
         self.own_format = not_row_sliceable(linear)
         if self.own_format is None and _is_quantized(getattr(linear, "weight", None)):
@@ -157,10 +201,7 @@ class CastLinear:
         if dequantizes_itself(linear):
             weight, bias = linear.cast_bias_weight(x)   # the layer's own dequantized, patched weight
         elif _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:
-            if _CAST_OFFLOADABLE:
-                weight, bias, self._stream = comfy.ops.cast_bias_weight(linear, x, offloadable=True)
-            else:
-                weight, bias = comfy.ops.cast_bias_weight(linear, x)
+            weight, bias = cast_owned(linear, x)
         else:
             weight, bias = linear.weight, linear.bias
         scale = getattr(linear, "scale_weight", None)
@@ -174,9 +215,6 @@ class CastLinear:
         return F.linear(t, self.weight, self.bias)
 
     def release(self) -> None:
-        if self._stream is not None and _UNCAST is not None:
-            _UNCAST(self._linear, self.weight, self.bias, self._stream)
-        self._stream = None
         self.weight = self.bias = None
 
 
@@ -210,9 +248,8 @@ class ComfyLinearRows(RowProjection):
         if self._mode == "quantized":
             return QuantizedRows(self.linear, x)
         if self._mode == "dequantized":   # the weight the layer's full-precision call dequantizes, then rows
-            context = _CAST_CONTEXT(self.linear, x, offloadable=True, compute_dtype=x.dtype, want_requant=False)
-            weight, bias = context.__enter__()
-            return WeightRows(x, weight, bias, on_release=lambda: context.__exit__(None, None, None))
+            weight, bias = cast_owned(self.linear, x, compute_dtype=x.dtype, want_requant=False)
+            return WeightRows(x, weight, bias)
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
         weight_rows = row_caster(self.linear, x)
@@ -328,14 +365,13 @@ class QuantizedRows(PreparedProjection):
     """Rows of a mixed-precision layer with a per-tensor-scaled fp8 weight (`quantized_rows_mode` is "quantized"),
     computed as the layer computes them: the input quantized once per layer call as the layer's forward
     quantizes it (its `layout_type` and `input_scale`), the weight taken once through ComfyUI's
-    `CastBiasWeightContext` (offload, requantization), then the layer's scaled fp8 matmul on a row slice of
+    `cast_bias_weight` (offload, requantization; `cast_owned`), then the layer's scaled fp8 matmul on a row slice of
     the quantized data with the same scales: each output column equals the layer's."""
 
     def __init__(self, linear, x: torch.Tensor):
         self.shape = x.shape
         self.qx = _quantized_input(linear, x)
-        self._context = _CAST_CONTEXT(linear, self.qx, offloadable=True, compute_dtype=x.dtype, want_requant=True)
-        self.weight, self.bias = self._context.__enter__()
+        self.weight, self.bias = cast_owned(linear, self.qx, compute_dtype=x.dtype, want_requant=True)
 
     # Token ranges are computed efficiently (`rows_into`), but each product goes through a temporary of the
     # chunk's size (the fp8 matmul has no `out=`): declared not cheap, so the runtime plans its statistics
@@ -373,9 +409,6 @@ class QuantizedRows(PreparedProjection):
 
     def release(self) -> None:
         self.qx = self.weight = self.bias = None
-        context, self._context = self._context, None
-        if context is not None:
-            context.__exit__(None, None, None)
 
 
 def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -384,11 +417,7 @@ def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
     if weight is None:
         return None
     if _needs_cast(norm):
-        if _CAST_OFFLOADABLE:
-            weight, _, stream = comfy.ops.cast_bias_weight(norm, x, offloadable=True)
-        else:
-            weight, _ = comfy.ops.cast_bias_weight(norm, x)
-        return weight
+        return cast_owned(norm, x)[0]
     return comfy.model_management.cast_to(weight, dtype=x.dtype, device=x.device)
 
 
