@@ -33,6 +33,7 @@ _CAST_CONTEXT = getattr(comfy.ops, "CastBiasWeightContext", None)
 _QUANT_ALGOS = getattr(comfy.ops, "QUANT_ALGOS", {})
 # QuantizedTensor layouts whose rows are rows of the quantized data with the same (per-tensor) scale
 PER_TENSOR_FP8_LAYOUTS = {"TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout", "TensorCoreFP8E5M2Layout"}
+PER_TENSOR_WEIGHT_ONLY_LAYOUTS = {"TensorWiseINT8Layout"}
 _RUN_EVERY_OP = getattr(comfy.ops, "run_every_op", None)
 
 # Linear classes whose forward is exactly "cast_bias_weight when needed, then F.linear": their rows are exact
@@ -64,8 +65,10 @@ def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
     computed as the layer computes them: `("quantized", None)` when its forward runs the scaled fp8 matmul
     with a per-tensor-scaled weight (rows: that matmul on a row slice of the quantized data, same scales);
     `("dequantized", None)` when its forward dequantizes the weight for a full-precision matmul (old
-    scaled-fp8 checkpoints, a LoRA weight function, forced casts: rows of that weight); `(None, why)`
-    otherwise (block-scaled layouts, input smoothing, weight-only formats, other classes): run whole."""
+    scaled-fp8 checkpoints, a LoRA weight function, forced casts: rows of that weight); `("weight_only", None)`
+    for formats whose layer dequantizes the weight and never quantizes its input (int8_tensorwise, ...: rows
+    of that weight); `(None, why)` otherwise (block-scaled layouts whose layer quantizes its input, input
+    smoothing, other classes): run whole."""
     weight = linear.weight
     layout = getattr(weight, "_layout_cls", None)
     if _CAST_CONTEXT is None:
@@ -81,7 +84,12 @@ def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
     if not quantized_call:
         return "dequantized", None
     if not _QUANT_ALGOS.get(getattr(linear, "quant_format", None), {}).get("quantize_input", True):
-        return None, "weight-only quantization"
+        # weight-only formats (int8_tensorwise, w4a8, ...): the layer hands its 16-bit input to the weight's own
+        # matmul; with one scale for the whole weight, a row slice of its data is that matmul's rows
+        scale = getattr(getattr(weight, "_params", None), "scale", None)
+        if layout not in PER_TENSOR_WEIGHT_ONLY_LAYOUTS or not torch.is_tensor(scale) or scale.numel() != 1:
+            return None, f"weight-only {layout} has no row slice here"
+        return "weight_only", None
     if layout not in PER_TENSOR_FP8_LAYOUTS:
         return None, f"{layout} has no row slice here"
     scale = getattr(getattr(weight, "_params", None), "scale", None)
@@ -226,7 +234,7 @@ class ComfyLinearRows(RowProjection):
         self.out_features = getattr(linear, "out_features", None)
         self._reason = not_row_sliceable(linear)
         quantized = self._reason is None and _is_quantized(getattr(linear, "weight", None))
-        self._mode = quantized_rows_mode(linear)[0] if quantized else None   # "quantized", "dequantized"
+        self._mode = quantized_rows_mode(linear)[0] if quantized else None   # "quantized", "dequantized", "weight_only"
         self._held: Optional[CastLinear] = None
 
     def not_row_sliceable(self) -> Optional[str]:
@@ -250,6 +258,8 @@ class ComfyLinearRows(RowProjection):
         if self._mode == "dequantized":   # the weight the layer's full-precision call dequantizes, then rows
             weight, bias = cast_owned(self.linear, x, compute_dtype=x.dtype, want_requant=False)
             return WeightRows(x, weight, bias)
+        if self._mode == "weight_only":
+            return QuantizedRows(self.linear, x, weight_only=True)
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
         weight_rows = row_caster(self.linear, x)
@@ -368,8 +378,16 @@ class QuantizedRows(PreparedProjection):
     `cast_bias_weight` (offload, requantization; `cast_owned`), then the layer's scaled fp8 matmul on a row slice of
     the quantized data with the same scales: each output column equals the layer's."""
 
-    def __init__(self, linear, x: torch.Tensor):
+    def __init__(self, linear, x: torch.Tensor, weight_only: bool = False):
         self.shape = x.shape
+        if weight_only:
+            # the layer's weight-only path: the weight cast in its own format and given the input's dtype (still
+            # quantized: its matmul quantizes the 16-bit input by token itself, which rows do not change)
+            self.qx = x.reshape(-1, x.shape[-1])
+            weight, self.bias = cast_owned(linear, None, dtype=linear.weight.dtype, device=x.device,
+                                           bias_dtype=x.dtype, compute_dtype=x.dtype, want_requant=True)
+            self.weight = weight.to(dtype=x.dtype)
+            return
         self.qx = _quantized_input(linear, x)
         self.weight, self.bias = cast_owned(linear, self.qx, compute_dtype=x.dtype, want_requant=True)
 

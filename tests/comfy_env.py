@@ -693,7 +693,8 @@ def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True
     """Tiny Wan loaded the way ComfyUI loads an fp8-scaled checkpoint (Comfy-Org's `*_fp8_scaled` files):
     ComfyUI's mixed-precision ops (`comfy.ops.mixed_precision_ops`), the blocks' 2-D Linear weights stored as
     fp8 with a per-tensor `weight_scale` (and `input_scale`) and a `comfy_quant` entry, so they load as
-    `QuantizedTensor` weights; everything else float32, computed in float32. The weights are those of
+    `QuantizedTensor` weights (``fmt="int8_tensorwise"``: int8 with a per-tensor scale, weight-only);
+    everything else float32, computed in float32. The weights are those of
     ``make_wan(kind, ...)`` with the same seed, quantized. ``full_precision_mm``: the layers dequantize their
     weight for a full-precision matmul (what ComfyUI makes of old `scaled_fp8` checkpoints that ask for it)."""
     setup()
@@ -701,17 +702,19 @@ def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True
     import torch
     import comfy.model_patcher
     import comfy.ops
-    storage = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}[fmt]
+    storage = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+               "int8_tensorwise": torch.int8}[fmt]
+    integer = not storage.is_floating_point
     float_model = make_wan(kind, dim=dim, heads=heads, layers=layers, seed=seed, **extra_config)
     sd = {k: v.clone() for k, v in float_model.model.diffusion_model.state_dict().items()}
     for key in [k for k, v in sd.items() if k.endswith(".weight") and v.dim() == 2 and "blocks." in k
                 and "modulation" not in k and "norm" not in k]:
         prefix = key[:-len("weight")]
         weight = sd[key]
-        scale = weight.abs().amax() / torch.finfo(storage).max
-        sd[key] = (weight / scale).to(storage)
+        scale = weight.abs().amax() / (torch.iinfo(storage).max if integer else torch.finfo(storage).max)
+        sd[key] = (weight / scale).round().to(storage) if integer else (weight / scale).to(storage)
         sd[prefix + "weight_scale"] = scale.reshape(())
-        if input_scale:
+        if input_scale and not integer:   # int8_tensorwise is weight-only: no input scale
             sd[prefix + "input_scale"] = torch.tensor(0.02)
         conf = {"format": fmt, **({"full_precision_matrix_mult": True} if full_precision_mm else {})}
         sd[prefix + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)

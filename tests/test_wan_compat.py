@@ -541,8 +541,9 @@ def _require_quantized_rows(rows: bool = True):
 
 
 @pytest.mark.parametrize("fmt,full_precision,tolerance", [
-    ("float8_e4m3fn", False, 1e-2), ("float8_e5m2", False, 1e-2), ("float8_e4m3fn", True, 1e-5)],
-    ids=["e4m3", "e5m2", "full-precision"])
+    ("float8_e4m3fn", False, 1e-2), ("float8_e5m2", False, 1e-2), ("float8_e4m3fn", True, 1e-5),
+    ("int8_tensorwise", False, 1e-2)],
+    ids=["e4m3", "e5m2", "full-precision", "int8-weight-only"])
 @pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
 def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, full_precision, tolerance, block):
     """An fp8-scaled checkpoint (mixed-precision ops, per-tensor-scaled QuantizedTensor weights): the input is
@@ -553,9 +554,14 @@ def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, full_precision,
     the format's round-off, far below fp8's own error (float model vs this one: about 3e-2).
     Old `scaled_fp8` checkpoints that ask for a full-precision matmul (`full_precision_matrix_mult`): every
     layer dequantizes its weight, rows of that weight are exact and nothing is quantized on the way: float32
-    round-off."""
+    round-off. Weight-only int8 (int8_tensorwise, one scale per weight): each group is the weight's own
+    matmul on a row slice of its data (bit-equal columns), which quantizes its input by token: as with fp8,
+    the split's float32 round-off can move the next layer's input by one int8 step (1/127) on a few elements."""
     torch = env.torch
     _require_quantized_rows()
+    if fmt == "int8_tensorwise" and "int8_tensorwise" not in getattr(importlib.import_module("comfy.ops"),
+                                                                     "QUANT_ALGOS", {}):
+        pytest.skip("this ComfyUI has no int8_tensorwise format")
     base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1, fmt=fmt,
                                          full_precision_mm=full_precision)
     assert bool(base.model.diffusion_model.blocks[0].self_attn.q._full_precision_mm) == full_precision
@@ -670,3 +676,44 @@ def test_weights_cast_through_a_shared_offload_buffer(env, monkeypatch, block):
         out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
     assert set(spy.self_heads) == {MODEL["heads"] // env.core.group_count(MODEL["heads"], 2 * 4224, 3)}
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram"])
+def test_fp8_stored_weights_with_a_lora_equal_stock(env, lowvram):
+    """A LoRA on fp8 weights cast per call: fully loaded, ComfyUI writes the patched weight back in fp8 (rows
+    of it are cast per head group); low-VRAM, the patch is a weight function on the cast (the pack casts
+    that layer's weight whole, through it). Both equal stock, the split runs, and the unpatched model is
+    stock again afterwards."""
+    torch = env.torch
+    base = _fp8_wan(torch)
+    size = dict(frames=3, h=64, w=88, batch=2, dtype=torch.float32)   # the compute dtype, not the stored one
+    plain = forward(base, **size)
+    g = torch.Generator().manual_seed(3)
+    patches = {}
+    for attention in ("self_attn", "cross_attn"):
+        for name in ("q", "k", "v", "o"):
+            key = f"diffusion_model.blocks.0.{attention}.{name}.weight"
+            shape = base.model.get_parameter(key).shape
+            patches[key] = (torch.randn(tuple(shape), generator=g) * 0.05,)
+    lora = base.clone()
+    lora.add_patches(patches, 1.0)
+    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
+
+    def run(patcher):
+        with torch.no_grad():   # as ComfyUI loads (its executor runs under inference mode)
+            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 if lowvram else 0)
+        try:
+            if lowvram:
+                assert len(patcher.model.diffusion_model.blocks[0].self_attn.q.weight_function) > 0
+            with torch.no_grad():
+                return patcher.model.diffusion_model(**inputs(patcher, **size))
+        finally:
+            patcher.unpatch_model()
+
+    stock = run(lora)
+    with SdpaHeads(torch) as spy:
+        ours = run(patched)
+    assert rel_err(stock, plain) > 1e-3      # the LoRA changes the output
+    assert rel_err(ours, stock) <= 1e-5
+    assert set(spy.self_heads) == {1}
+    assert rel_err(forward(base, **size), plain) <= 1e-6

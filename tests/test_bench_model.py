@@ -1,0 +1,60 @@
+"""The whole-model benchmark (`nodes/bench_wan_model.py`) and the block benchmark's GGUF weights, on CPU: the
+frame search's logic, Q8_0 blocks as the `gguf` package writes them, and one tiny sampling run through
+ComfyUI's model management, stock and patched. The numbers it exists for need CUDA (docs/benchmarks.md)."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+
+@pytest.fixture(scope="module")
+def bench():
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    return importlib.import_module(pack.__name__ + ".nodes.bench_wan_model")
+
+
+@pytest.mark.parametrize("limit,first,expected,probed", [
+    (201, 81, 201, [81, 121, 161, 201]),     # fits up to the largest allowed
+    (150, 81, 121, [81, 121, 161]),          # stops at the first that does not fit
+    (50, 81, 41, [81, 41]),                  # the first does not fit: down until one does
+    (0, 81, None, [81, 41, 1]),              # nothing fits
+])
+def test_frame_search(bench, limit, first, expected, probed):
+    seen = []
+
+    def fits(frames):
+        seen.append(frames)
+        return frames <= limit
+
+    assert bench.search_frames(fits, first, 40, 201) == expected
+    assert seen == probed
+
+
+def test_q8_0_blocks_are_those_of_the_gguf_package(bench):
+    gguf = pytest.importorskip("gguf")
+    import torch
+    from_package = importlib.import_module(bench.__name__.rsplit(".", 1)[0] + ".bench_wan")
+    weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    weight[3, :32] = 0.0                          # an all-zero block: scale 0, values 0
+    ours = from_package.quantize_q8_0(weight).numpy()
+    reference = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert ours.shape == reference.shape and (ours == reference).all()
+
+
+def test_a_tiny_whole_model_run(bench, tmp_path):
+    """One Wan 14B-wide block, a 128 x 128 latent, 1 step: both methods sample, the pack's run after its
+    warm-up plans with its factor (unsplit at 128 tokens: 0.9), and the records say so."""
+    out = tmp_path / "records.jsonl"
+    assert bench.main(["--formats", "bf16:16", "--layers", "1", "--frames", "5", "--size", "128x128",
+                       "--steps", "1", "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["method"] for r in records] == ["stock", "pack"]
+    assert all(r["fits"] and r["s_per_step"] > 0 for r in records)
+    assert "x0.90" in records[1]["pack_memory_estimate"]
