@@ -470,7 +470,7 @@ def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, 
 def pack_modules():
     """The pack loaded as ComfyUI loads it (skips without ComfyUI), with the modules the tests reach into:
     `torch`, `pack`, `node` (nodes.patching: apply_patch and the memory factors), `wan`, `compat`,
-    `core` (qkv_core)."""
+    `ops` (nodes.comfy_ops), `core` (qkv_core)."""
     require_comfyui()
     import importlib
     import torch
@@ -479,6 +479,7 @@ def pack_modules():
                                  node=importlib.import_module(pack.__name__ + ".nodes.patching"),
                                  wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
                                  compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
+                                 ops=importlib.import_module(pack.__name__ + ".nodes.comfy_ops"),
                                  core=importlib.import_module(pack.__name__ + ".qkv_core"))
 
 

@@ -717,3 +717,77 @@ def test_fp8_stored_weights_with_a_lora_equal_stock(env, lowvram):
     assert rel_err(ours, stock) <= 1e-5
     assert set(spy.self_heads) == {1}
     assert rel_err(forward(base, **size), plain) <= 1e-6
+
+
+@pytest.mark.parametrize("layout", ["TensorCoreNVFP4Layout", "TensorCoreMXFP8Layout"])
+def test_block_scaled_weights_slice_by_128_row_blocks(env, layout):
+    """nvfp4 / mxfp8 weights keep their block scales by blocks of 128 weight rows (cuBLAS's blocked layout):
+    whole blocks of the data and of the scales slice exactly (their dequantization equals the whole
+    weight's rows, the last, padded block included); a head group inside a block is computed from its
+    whole block and sliced; rows not on block bounds are refused. Their matmul kernels need a Blackwell GPU
+    (not run here): on a CPU the layer's product dequantizes, which the rows are compared through."""
+    import torch.nn.functional as F
+    torch = env.torch
+    quant_ops = pytest.importorskip("comfy.quant_ops")
+    if layout not in getattr(env.ops, "BLOCK_ROW_LAYOUTS", {}) or not getattr(quant_ops, "_CK_AVAILABLE", False):
+        pytest.skip("no block-scaled QuantizedTensor in this ComfyUI")
+    try:
+        weight = quant_ops.QuantizedTensor.from_float(torch.randn(320, 256, dtype=torch.bfloat16), layout)
+    except Exception as e:   # noqa: BLE001 - a comfy_kitchen without this layout
+        pytest.skip(f"{layout} not available: {e}")
+    import comfy.ops
+    quant_format = {"TensorCoreNVFP4Layout": "nvfp4", "TensorCoreMXFP8Layout": "mxfp8"}[layout]
+    layer = comfy.ops.mixed_precision_ops({}, torch.bfloat16).Linear(256, 320, bias=False, dtype=torch.bfloat16)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.layout_type, layer.quant_format = layout, quant_format
+    assert env.ops.quantized_rows_mode(layer) == ("quantized", None)   # the head split runs on such layers
+    whole = weight.dequantize()
+    rows = env.ops.QuantizedRows
+    for start, stop in ((0, 128), (128, 256), (256, 320), (0, 320)):
+        assert torch.equal(rows._row_slice(weight, start, stop).dequantize(), whole[start:stop])
+    with pytest.raises(ValueError, match="128-row blocks"):
+        rows._row_slice(weight, 64, 192)
+    x = torch.randn(2, 50, 256, dtype=torch.bfloat16)
+    prepared = rows.__new__(rows)                     # the layer's product on a 16-bit input, as on a CPU
+    prepared.shape, prepared.qx, prepared.weight, prepared.bias = x.shape, x.reshape(-1, 256), weight, None
+    full = F.linear(x, weight)
+    torch.testing.assert_close(prepared.full(), full, rtol=0, atol=0)
+    for start, stop in ((0, 128), (64, 192), (256, 320), (96, 100)):
+        torch.testing.assert_close(prepared.rows(start, stop), full[..., start:stop], rtol=0, atol=0)
+
+
+def test_fp8_matrix_multiplication_ops_split_and_equal_stock(env):
+    """ComfyUI's fp8 ops (`--fast fp8_matrix_mult`: `fp8_linear`, the input clamped and cast to fp8, one fp8
+    matmul with scale 1): each head group is that matmul on rows of the fp8 weight, the input cast once
+    for q, k and v. The split runs and equals stock to the format's round-off (bf16 compute; an fp8 step of
+    the next layer's input where the split's round-off moves it; the projections themselves are bit-equal)."""
+    import comfy.model_patcher
+    import comfy.ops
+    torch = env.torch
+    if not hasattr(comfy.ops, "fp8_linear") or not hasattr(comfy.ops, "CastBiasWeightContext"):
+        pytest.skip("this ComfyUI's fp8 ops predate QuantizedTensor")
+    cls, cfg = comfy_env._wan_config("t2v", 256, 8, 1, None, 32, 1, {})
+    model_config = cls(cfg)
+    model_config.set_inference_dtype(torch.float8_e4m3fn, torch.bfloat16)
+    model_config.custom_operations = comfy.ops.fp8_ops
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    q = model.diffusion_model.blocks[0].self_attn.q
+    assert isinstance(q, comfy.ops.fp8_ops.Linear) and env.ops.fp8_matmul_rows(q)
+    size = dict(frames=3, h=64, w=88, batch=2, dtype=torch.bfloat16)
+    reference = forward(base, **size)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert not report.skipped_reasons, report.lines()
+    with SdpaHeads(torch) as spy:
+        out = forward(base, patched, **size)
+    assert set(spy.self_heads) == {1}
+    # fp8 with scale 1 rounds O(1) activations in steps of 1/16 to 1/8: one step of one element moved by the
+    # split's bf16 round-off is up to ~6 % of the output's largest value
+    assert rel_err(out, reference) <= 6e-2
+    x = torch.randn(2, 40, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        prepared = env.ops.ComfyLinearRows(q).prepare(x.clone())
+        layer = q(x.clone())
+        assert torch.equal(prepared.rows(64, 128), layer[..., 64:128])   # bit for bit, as the layer computes
