@@ -575,10 +575,12 @@ def test_fp8_scaled_checkpoint_splits_and_equals_stock(env, fmt, full_precision,
     assert rel_err(out, reference) <= tolerance
 
 
-def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env):
+@pytest.mark.parametrize("lowvram", [True, False], ids=["lowvram", "full-load"])
+def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env, lowvram):
     """With a LoRA loaded as a low-VRAM weight function the layer dequantizes its weight (LoRA applied) for a
-    full-precision matmul: rows of that weight, so the split still runs and equals stock's (up to one fp8 step
-    at the next layers' input quantization)."""
+    full-precision matmul: rows of that weight; fully loaded, ComfyUI writes the patched weight back as a
+    quantized weight: rows of its data. Either way the split still runs and equals stock's (up to one fp8
+    step at the next layers' input quantization), and the model without the LoRA is itself again."""
     torch = env.torch
     _require_quantized_rows()
     base = comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
@@ -588,19 +590,22 @@ def test_fp8_scaled_with_a_lora_splits_and_equals_stock(env):
     patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
 
     def run(patcher):
-        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+        with torch.no_grad():
+            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1 if lowvram else 0)
         try:
-            if patcher.patches:
+            if patcher.patches and lowvram:
                 assert patcher.model.diffusion_model.blocks[0].self_attn.q.weight_function   # low-VRAM LoRA
             with torch.no_grad(), SdpaHeads(torch) as spy:
                 return patcher.model.diffusion_model(**inputs(patcher, "t2v", **SIZE)), spy.self_heads
         finally:
             patcher.unpatch_model()
+    plain, _ = run(base)
     stock, _ = run(lora)
-    assert rel_err(stock, run(base)[0]) > 1e-4
+    assert rel_err(stock, plain) > 1e-4
     out, heads = run(patched)
     assert set(heads) == {1}
     assert rel_err(out, stock) <= 1e-2
+    assert rel_err(run(base)[0], plain) <= 1e-6
 
 
 def test_fp8_scaled_rows_equal_the_layer_bit_for_bit(env):
