@@ -10,7 +10,7 @@ from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGro
                          group_count, head_groups, parse_level, set_head_split_level)
 from .notices import drain_notices, reset_notices
 from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize_prefix, q8_prefix
-from .projections import (LinearRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows,
+from .projections import (FusedRows, LinearRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows,
                           WholeProjection, as_row_projection)
 from .q8 import dequantize_q8, dequantize_q8_into, merge_lse_, quantize_q8
 from .runtime import cross_qkv_attention, joint_qkv_attention, kv_first_attention, qkv_attention, rows_
@@ -22,7 +22,7 @@ __all__ = [
     "HeadGroup", "head_groups", "group_count", "parse_level", "set_head_split_level", "get_head_split_level",
     "LEVEL_NAMES", "TARGET_GROUPS", "SPLIT_FLOOR_TOKENS",
     "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "LinearRows", "WholeProjection",
-    "as_row_projection",
+    "FusedRows", "as_row_projection",
     "AttentionBackend", "StagedCore", "pay_attention", "resolve_backend", "register_backend",
     "unregister_backend", "backend_names", "available_backends", "set_attention_backend",
     "get_attention_backend",

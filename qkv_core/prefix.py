@@ -70,6 +70,10 @@ def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
     if not isinstance(kv_list, list) or len(kv_list) != 2:
         raise ValueError("cache_prefix takes [key, value] in a two-element list that it clears")
     key, value = kv_list
+    if not (torch.is_tensor(key) and torch.is_tensor(value) and key.dim() == 4 and key.shape == value.shape):
+        shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (key, value)]
+        raise ValueError(f"cache_prefix takes a key and a value of one shape, (batch, tokens, kv_heads, head_dim), "
+                         f"got {shapes}")
     kv_list.clear()
     if native and kit is not None and hasattr(kit, "cache_native_prefix"):
         return kit.cache_native_prefix([key, value])

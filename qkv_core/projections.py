@@ -198,6 +198,55 @@ class WholeProjection(RowProjection):
         return _CallOnce(self.fn, x)
 
 
+class _OffsetRows(PreparedProjection):
+    """Rows `[offset + start, offset + stop)` of a prepared projection, as rows `[start, stop)`."""
+
+    def __init__(self, inner: PreparedProjection, offset: int, width: int):
+        self.inner, self.offset, self.width = inner, offset, width
+        self.by_tokens = inner.by_tokens
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.inner.rows(self.offset + start, self.offset + stop)
+
+    def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
+        self.inner.rows_into(out, self.offset + start, self.offset + stop, token_start)
+
+    def full(self) -> torch.Tensor:
+        return self.inner.rows(self.offset, self.offset + self.width)
+
+    def release(self) -> None:
+        self.inner.release()
+
+
+class FusedRows(RowProjection):
+    """Part `index` of a fused projection whose output stacks several projections by rows (a `qkv` Linear:
+    q, k, v; Flux's `linear1`: q, k, v, mlp): `parts` equal parts, or `sizes` (output features of each part,
+    e.g. `(heads * d, kv_heads * d, kv_heads * d)` for grouped-query attention). Pass one per role:
+    `FusedRows(qkv, 0, 3), FusedRows(qkv, 1, 3), FusedRows(qkv, 2, 3)`. Each prepares the fused layer for
+    itself (a `torch.nn.Linear`'s rows are views: nothing is copied)."""
+
+    def __init__(self, projection, index: int, parts: int = 3, sizes=None):
+        self.inner = as_row_projection(projection)
+        total = getattr(self.inner, "out_features", None)
+        if sizes is None:
+            if total is None or parts <= 0 or total % parts:
+                raise ValueError(f"FusedRows: {total} output features do not split into {parts} equal parts; "
+                                 f"pass sizes=(features of each part)")
+            sizes = (total // parts,) * parts
+        sizes = tuple(int(n) for n in sizes)
+        if total is not None and sum(sizes) != total:
+            raise ValueError(f"FusedRows: sizes {sizes} add up to {sum(sizes)}, the layer has {total} outputs")
+        if not 0 <= index < len(sizes):
+            raise ValueError(f"FusedRows: index {index} is not one of the {len(sizes)} parts")
+        self.offset, self.out_features = sum(sizes[:index]), sizes[index]
+
+    def not_row_sliceable(self) -> Optional[str]:
+        return self.inner.not_row_sliceable()
+
+    def prepare(self, x: torch.Tensor) -> PreparedProjection:
+        return _OffsetRows(self.inner.prepare(x), self.offset, self.out_features)
+
+
 def as_row_projection(projection) -> RowProjection:
     """A `RowProjection` for `projection`: itself, a `torch.nn.Linear`, or any callable (run whole)."""
     if isinstance(projection, RowProjection):

@@ -74,6 +74,16 @@ def merge_lse_(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_
     keys); `lse`, `other_lse`: their base-2 log-sum-exps, float32 `(batch, heads, tokens)`. `-inf` marks a
     query that saw no key in that part.
     """
+    if out.dim() != 4 or other.shape != out.shape:
+        raise ValueError(f"merge_lse_: out and other must be one shape (batch, tokens, heads, head_dim), got "
+                         f"{tuple(out.shape)} and {tuple(other.shape)}")
+    expected = (out.shape[0], out.shape[2], out.shape[1])
+    for name, t in (("lse", lse), ("other_lse", other_lse)):
+        if tuple(t.shape) != expected:
+            raise ValueError(f"merge_lse_: {name} must be (batch, heads, tokens) = {expected} for out "
+                             f"{tuple(out.shape)}, got {tuple(t.shape)}"
+                             + ("; it looks (batch, tokens, heads): pass .transpose(1, 2)"
+                                if tuple(t.shape) == (out.shape[0], out.shape[1], out.shape[2]) else ""))
     tokens = out.shape[1]
     for a in range(0, tokens, CHUNK_TOKENS):
         b = min(a + CHUNK_TOKENS, tokens)

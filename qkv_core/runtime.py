@@ -65,6 +65,13 @@ def _take(tensor_list, what: str) -> torch.Tensor:
     return tensor
 
 
+def _require_projections(**projections) -> None:
+    for name, projection in projections.items():
+        if projection is None:
+            raise ValueError(f"{name} is None: q, k and v projections are all needed (a layer, a RowProjection "
+                             f"or a callable)")
+
+
 class _Source:
     """One token stream: its input and the projections that read it (q, k, v, extra: any may be None)."""
 
@@ -162,6 +169,7 @@ class _Call:
         if self.kv_heads <= 0 or heads % self.kv_heads:
             raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({self.kv_heads}) for grouped-query "
                              f"attention; pass kv_heads=heads for plain attention")
+        self._validate_widths()
         batches = {s.x.shape[0] for s in self.sources}
         if len(batches) != 1:
             raise ValueError(f"all token streams must have the same batch size, got {sorted(batches)}")
@@ -210,6 +218,14 @@ class _Call:
             if k.dim() != 4 or k.shape[2] != self.kv_heads or k.shape[3] != self.head_dim:
                 raise ValueError(f"kv_prefix keys must be (batch, tokens, kv_heads={self.kv_heads}, "
                                  f"head_dim={self.head_dim}), got {tuple(k.shape)}")
+            if not isinstance(prefix, KVPrefix):
+                v = prefix[1]
+                if v.dim() != 4 or v.shape[2] != self.kv_heads or v.shape[3] != self.head_dim:
+                    raise ValueError(f"kv_prefix values must be (batch, tokens, kv_heads={self.kv_heads}, "
+                                     f"head_dim={self.head_dim}), got {tuple(v.shape)}")
+                if v.shape[:2] != k.shape[:2]:
+                    raise ValueError(f"kv_prefix keys {tuple(k.shape)} and values {tuple(v.shape)} must have the "
+                                     f"same batch and tokens: one value per key")
             batch = self.sources[0].x.shape[0]
             if k.shape[0] not in (1, batch):
                 raise ValueError(f"kv_prefix batch {k.shape[0]} must be 1 or the call's batch {batch}")
@@ -217,6 +233,36 @@ class _Call:
             raise ValueError("a callable attention_mask needs a staged SageAttention core: pass a tensor mask "
                              "(batch, heads or 1, q_tokens, kv_tokens) instead, or use force_attention with a "
                              "staged backend")
+
+    def _validate_widths(self) -> None:
+        """Each projection's output width against heads x head_dim (k and v: kv_heads x head_dim), where the
+        projection knows its width: rows are sliced by those numbers, so another width gives wrong results
+        silently."""
+        d = self.head_dim
+        for source in self.sources:
+            raw = source.raw
+            if "q" in raw and raw.get("q") is raw.get("k"):
+                width = getattr(source.proj["q"], "out_features", None)
+                fused = f" ({width} features)" if width else ""
+                raise ValueError(f"one projection{fused} was passed as q and k: a fused qkv layer must be passed as "
+                                 f"its parts, qkv_core.FusedRows(layer, 0, 3), FusedRows(layer, 1, 3), "
+                                 f"FusedRows(layer, 2, 3)")
+            for name, proj in source.proj.items():
+                width = getattr(proj, "out_features", None)
+                if width is None or name == "extra":
+                    continue
+                heads = self.heads if name == "q" else self.kv_heads
+                if width == heads * d:
+                    continue
+                hint = ""
+                if name in ("k", "v") and width % d == 0 and width // d != heads and self.heads % (width // d) == 0:
+                    hint = f"; for grouped-query attention pass kv_heads={width // d}"
+                elif width % (heads * d) == 0 and width // (heads * d) > 1:
+                    hint = (f"; a fused layer ({width // (heads * d)} parts): pass its rows, "
+                            f"qkv_core.FusedRows(layer, index, {width // (heads * d)})")
+                raise ValueError(f"the {name} projection has {width} output features, not "
+                                 f"{'heads' if name == 'q' else 'kv_heads'} x head_dim = {heads} x {d} = "
+                                 f"{heads * d}{hint}")
 
     @property
     def staged(self) -> Optional[StagedCore]:
@@ -593,6 +639,7 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
     `attention_fn` also receives. Options: see the module docs and SPEC §1.1.
     """
+    _require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = _take(x_list, "x_list")
     source = _Source(x, q=q_proj, k=k_proj, v=v_proj, extra=extra_proj)
     del x
@@ -629,6 +676,7 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
                         **options) -> torch.Tensor:
     """Queries from `x`, keys/values from `context` -> `(batch, tokens of x, heads, head_dim)`. Both lists
     are cleared. The longer of the two sequences decides the head split."""
+    _require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = _take(x_list, "x_list")
     context = _take(context_list, "context_list")
     if context.shape[0] != x.shape[0] and context.shape[0] == 1:
@@ -646,7 +694,14 @@ def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch
     of k); otherwise the plain attention call. Same results either way."""
     if not isinstance(qkv_list, list) or len(qkv_list) != 3:
         raise ValueError("kv_first_attention takes [q, k, v] in a three-element list that it clears")
+    shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in qkv_list]
+    if not all(torch.is_tensor(t) and t.dim() == 4 for t in qkv_list):
+        raise ValueError(f"kv_first_attention takes q, k, v as (batch, tokens, heads, head_dim), got {shapes}: "
+                         f"unflatten (batch, tokens, heads * head_dim) with .unflatten(-1, (heads, head_dim))")
     q, k, v = qkv_list
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"kv_first_attention: k and v must match, and q share their batch and head_dim with "
+                         f"a multiple of their heads; got {shapes}")
     qkv_list.clear()
     backend = resolve_backend(q, k, v, None, None, force_attention)
     core = backend.staged_core

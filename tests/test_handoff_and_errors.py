@@ -470,3 +470,81 @@ def test_forced_backend_falls_back_to_sdpa_on_cpu(caplog, name):
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"[Attention] {name} backend not used: ") and "falling back" in lines[0]
     assert qc.drain_notices() == lines and qc.drain_notices() == []
+
+
+# --- inputs that gave silently wrong results or obscure errors ------------------------------------------
+def test_projection_width_must_be_heads_times_head_dim(layers):
+    q, k, v = layers                                         # 4 heads x 32 = 128 features each
+    with pytest.raises(ValueError, match=r"the q projection has 128 output features, not heads x head_dim = "
+                                         r"8 x 32 = 256"):
+        qc.qkv_attention([x16(1, 8)], q, k, v, 8, 32)
+    gqa_k, gqa_v = make_qkv(16, 2, 32, seed=31)[1:]          # 2 heads of keys/values
+    with pytest.raises(ValueError, match=r"the k projection has 64 output features.*pass kv_heads=2"):
+        qc.qkv_attention([x16(1, 8)], q, gqa_k, gqa_v, 4, 32)
+    out = qc.qkv_attention([x16(1, 8)], q, gqa_k, gqa_v, 4, 32, kv_heads=2)   # the fix it names works
+    assert out.shape == (1, 8, 4, 32)
+
+
+def test_a_fused_qkv_layer_is_passed_by_its_parts():
+    fused = torch.nn.Linear(16, 3 * 4 * 32).requires_grad_(False)
+    x = x16(2, 8)
+    with pytest.raises(ValueError, match=r"passed as q and k: a fused qkv layer must be passed as its parts, "
+                                         r"qkv_core.FusedRows"):
+        qc.qkv_attention([x.clone()], fused, fused, fused, 4, 32)
+    with pytest.raises(ValueError, match=r"the q projection has 384 output features.*FusedRows\(layer, index, 3\)"):
+        qc.qkv_attention([x.clone()], fused, torch.nn.Linear(16, 128), torch.nn.Linear(16, 128), 4, 32)
+    parts = [qc.FusedRows(fused, i, 3) for i in range(3)]
+    out = qc.qkv_attention([x.clone()], *parts, 4, 32, head_split_level=3, split_floor_tokens=0)
+    with torch.no_grad():
+        q, k, v = fused(x).unflatten(-1, (3, 4, 32)).unbind(2)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    assert max_rel_err(out, expected) < 1e-5
+    with pytest.raises(ValueError, match=r"do not split into 5 equal parts; pass sizes"):
+        qc.FusedRows(fused, 0, 5)
+    with pytest.raises(ValueError, match=r"sizes \(128, 128\) add up to 256, the layer has 384 outputs"):
+        qc.FusedRows(fused, 0, sizes=(128, 128))
+    with pytest.raises(ValueError, match=r"index 3 is not one of the 3 parts"):
+        qc.FusedRows(fused, 3, 3)
+
+
+def test_a_missing_projection_is_named(layers):
+    q, k, v = layers
+    with pytest.raises(ValueError, match=r"k_proj is None: q, k and v projections are all needed"):
+        qc.qkv_attention([x16(1, 8)], q, None, v, 4, 32)
+    with pytest.raises(ValueError, match=r"v_proj is None"):
+        qc.cross_qkv_attention([x16(1, 8)], [x16(1, 4)], q, k, None, 4, 32)
+
+
+def test_prefix_keys_and_values_must_pair(layers):
+    k = torch.randn(1, 5, 4, 32)
+    with pytest.raises(ValueError, match=r"kv_prefix keys \(1, 5, 4, 32\) and values \(1, 6, 4, 32\) must have the "
+                                         r"same batch and tokens"):
+        qc.qkv_attention([x16(1, 8)], *layers, 4, 32, kv_prefix=(k, torch.randn(1, 6, 4, 32)))
+    with pytest.raises(ValueError, match=r"kv_prefix values must be \(batch, tokens, kv_heads=4, head_dim=32\), "
+                                         r"got \(1, 5, 4, 16\)"):
+        qc.qkv_attention([x16(1, 8)], *layers, 4, 32, kv_prefix=(k, torch.randn(1, 5, 4, 16)))
+    with pytest.raises(ValueError, match=r"cache_prefix takes a key and a value of one shape"):
+        qc.cache_prefix([k, torch.randn(1, 6, 4, 32)], native=False)
+    with pytest.raises(ValueError, match=r"cache_prefix takes a key and a value of one shape"):
+        qc.cache_prefix([torch.randn(5, 4, 32), torch.randn(5, 4, 32)], native=False)
+
+
+def test_kv_first_attention_wants_heads_split_out():
+    q = torch.randn(1, 8, 128)
+    with pytest.raises(ValueError, match=r"takes q, k, v as \(batch, tokens, heads, head_dim\).*unflatten"):
+        qc.kv_first_attention([q, q.clone(), q.clone()])
+    q4, k4 = torch.randn(1, 8, 4, 32), torch.randn(1, 8, 4, 32)
+    with pytest.raises(ValueError, match=r"k and v must match"):
+        qc.kv_first_attention([q4, k4, torch.randn(1, 9, 4, 32)])
+    with pytest.raises(ValueError, match=r"a multiple of their heads"):
+        qc.kv_first_attention([torch.randn(1, 8, 5, 32), k4, k4.clone()])
+
+
+def test_merge_lse_names_the_layout():
+    out, other = torch.randn(1, 6, 4, 32), torch.randn(1, 6, 4, 32)
+    good = torch.randn(1, 4, 6)
+    with pytest.raises(ValueError, match=r"lse must be \(batch, heads, tokens\) = \(1, 4, 6\).*pass \.transpose\(1, 2\)"):
+        qc.merge_lse_(out, torch.randn(1, 6, 4), other, good)
+    with pytest.raises(ValueError, match=r"out and other must be one shape"):
+        qc.merge_lse_(out, good, torch.randn(1, 6, 4, 16), good.clone())
