@@ -7,7 +7,7 @@ import torch
 
 import comfy.patcher_extension
 
-from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices
+from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices, split_plan
 from . import compat, wan
 from .dispatch import QKVConfig, backend_choices, split_floor
 from .report import PatchReport, logger
@@ -39,14 +39,14 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
     hooks = sorted(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
     if hooks:
         return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
-    if config.level == 0:
-        return MEMORY_FACTOR_BLOCK_UNSPLIT, "head split Off"
-    reason = adapter.splits_projections(diffusion_model)
-    if reason is not None:
-        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({reason})"
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
-    if tokens is None or tokens < split_floor(config):
-        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({tokens} tokens, under {split_floor(config)})"
+    if tokens is None:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split known for a latent of shape {latent_shape}"
+    # the runtime's own decision (qkv_core.split_plan), for one batch item: cond and uncond may run apart
+    plan = split_plan(adapter.kv_heads(diffusion_model) or 2, tokens, config.level, split_floor(config),
+                      unsliceable=adapter.splits_projections(diffusion_model))
+    if plan.groups == 1:
+        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({plan.reason})"
     return MEMORY_FACTOR_BLOCK, "head split"
 
 

@@ -659,6 +659,12 @@ def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
     return count
 
 
+def kv_heads(diffusion_model) -> Optional[int]:
+    """Key/value heads of the model's self-attention (Wan: all heads), or None if it does not say."""
+    heads = getattr(diffusion_model, "num_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
 def splits_projections(diffusion_model) -> Optional[str]:
     """None when the self-attention projections can be computed by rows (the head split can run), else why not."""
     for _, _, block in _block_lists(diffusion_model):

@@ -7,8 +7,9 @@ from .backends import (AttentionBackend, StagedCore, available_backends, backend
                        pay_attention, register_backend, resolve_backend, set_attention_backend,
                        unregister_backend)
 from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGroup, get_head_split_level,
-                         group_count, head_groups, parse_level, set_head_split_level)
+                         SplitPlan, group_count, head_groups, parse_level, set_head_split_level, split_plan)
 from .notices import drain_notices, reset_notices
+from .options import AttentionOptions
 from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize_prefix, q8_prefix
 from .projections import (FusedRows, LinearRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows,
                           WholeProjection, as_row_projection)
@@ -19,7 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention", "rows_",
-    "HeadGroup", "head_groups", "group_count", "parse_level", "set_head_split_level", "get_head_split_level",
+    "AttentionOptions",
+    "HeadGroup", "head_groups", "group_count", "split_plan", "SplitPlan", "parse_level", "set_head_split_level",
+    "get_head_split_level",
     "LEVEL_NAMES", "TARGET_GROUPS", "SPLIT_FLOOR_TOKENS",
     "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "LinearRows", "WholeProjection",
     "FusedRows", "as_row_projection",

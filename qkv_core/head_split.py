@@ -50,17 +50,40 @@ def get_head_split_level() -> int:
     return _global_level
 
 
-def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
-    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens (all batch items
-    together; for cross attention the longer of the two sequences). `floor`: the fewest tokens that are
-    split (default `SPLIT_FLOOR_TOKENS`)."""
+class SplitPlan(NamedTuple):
+    """How many head groups a call runs in; `reason`: why not more than one (None when it splits)."""
+
+    groups: int
+    reason: Optional[str] = None
+
+
+def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None,
+               split_heads: Optional[bool] = None, unsliceable: Optional[str] = None) -> SplitPlan:
+    """The one place that decides the head split, for the runtime's calls and for whoever plans memory
+    around them (the node's memory estimate): `kv_heads` key/value heads, `tokens` query tokens (all batch
+    items together; for cross attention the longer of the two sequences), `level` (default: the process
+    level), `floor` (the fewest tokens that are split; default `SPLIT_FLOOR_TOKENS`), `split_heads=False`
+    (the caller's "never"), `unsliceable` (why a projection that would be split cannot be computed by rows)."""
     lvl = _global_level if level is None else parse_level(level)
     floor = SPLIT_FLOOR_TOKENS if floor is None else floor
-    if lvl == 0 or tokens < floor or kv_heads <= 1:
-        return 1
+    if split_heads is False:
+        return SplitPlan(1, "split_heads=False")
+    if lvl == 0:
+        return SplitPlan(1, "head split Off")
+    if tokens < floor:
+        return SplitPlan(1, f"{tokens} tokens, under {floor}")
+    if kv_heads <= 1:
+        return SplitPlan(1, "one key/value head")
     target = TARGET_GROUPS[lvl]
     divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
-    return min(divisors, key=lambda d: (abs(d - target), d))
+    if unsliceable is not None:
+        return SplitPlan(1, unsliceable)
+    return SplitPlan(min(divisors, key=lambda d: (abs(d - target), d)))
+
+
+def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
+    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens (`split_plan`'s)."""
+    return split_plan(kv_heads, tokens, level, floor).groups
 
 
 def head_groups(heads: int, kv_heads: Optional[int] = None, count: int = 1) -> list[HeadGroup]:

@@ -16,8 +16,9 @@ import torch
 
 from .backends import StagedCore, pay_attention, resolve_backend
 from . import head_split
-from .head_split import HeadGroup, group_count, head_groups, parse_level
+from .head_split import HeadGroup, head_groups, parse_level, split_plan
 from .notices import notice_once
+from .options import AttentionOptions
 from .prefix import KVPrefix, PrefixLayer
 from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 from .q8 import dequantize_q8_into
@@ -26,9 +27,6 @@ ROWS_CHUNK_ELEMENTS = 1 << 23
 ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
 
-_OPTIONS = ("kv_heads", "norm_spans_heads", "split_heads", "kv_prefix", "attention_mask", "force_attention",
-            "attention_fn", "norm_stats", "norm_v", "softmax_scale", "head_split_level", "fused_quant", "keep_keys",
-            "split_floor_tokens")
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
@@ -150,13 +148,10 @@ class _Call:
     """State of one call, from the hand-off to the return."""
 
     def __init__(self, q_sources, kv_sources, heads, head_dim, norm_rope, options):
-        unknown = set(options) - set(_OPTIONS)
-        if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are {list(_OPTIONS)}")
+        o = AttentionOptions.from_kwargs(options)
         self.q_sources, self.kv_sources = q_sources, kv_sources
         self.sources = list(dict.fromkeys(q_sources + kv_sources))
         self.heads, self.head_dim, self.norm_rope = heads, head_dim, norm_rope
-        o = SimpleNamespace(**{name: options.get(name) for name in _OPTIONS})
         self.kv_heads = heads if o.kv_heads is None else o.kv_heads
         self.o = o
         self._validate()
@@ -293,21 +288,16 @@ class _Call:
         q_tokens = sum(s.tokens for s in self.q_sources)
         kv_tokens = sum(s.tokens for s in self.kv_sources)
         self.q_tokens, self.kv_tokens, self.batch = q_tokens, kv_tokens, batch
-        count = 1
-        if o.split_heads is not False:
-            count = group_count(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level, self.floor)
-        if count > 1:
-            for source in self.sources:
-                if batch * source.tokens < self.floor:
-                    continue  # short: projected whole once and sliced
-                for name, proj in source.proj.items():
-                    reason = proj.not_row_sliceable()
-                    if reason is not None:
-                        notice_once(f"unsplit:{reason}",
-                                    f"[Attention] Head Split is not applied: the {name} projection cannot be "
-                                    f"computed by rows ({reason})")
-                        count = 1
-        return head_groups(self.heads, self.kv_heads, count)
+        unsliceable = next(((name, reason) for source in self.sources if batch * source.tokens >= self.floor
+                            for name, proj in source.proj.items()   # short streams: projected whole, sliced
+                            for reason in [proj.not_row_sliceable()] if reason is not None), None)
+        plan = split_plan(self.kv_heads, batch * max(q_tokens, kv_tokens), o.head_split_level, self.floor,
+                          o.split_heads, None if unsliceable is None else unsliceable[1])
+        if unsliceable is not None and plan.reason == unsliceable[1]:
+            name, reason = unsliceable
+            notice_once(f"unsplit:{reason}", f"[Attention] Head Split is not applied: the {name} projection "
+                                             f"cannot be computed by rows ({reason})")
+        return head_groups(self.heads, self.kv_heads, plan.groups)
 
     # --- norm statistics -------------------------------------------------------------------------------
     def _mean_squares(self, groups, q_out: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -637,7 +627,7 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     `q_proj`, `k_proj`, `v_proj`: `torch.nn.Linear`, `RowProjection` or any callable (run whole). k and v
     produce `kv_heads * head_dim` features. `norm_rope(query, key, group)` normalizes and rotates in place
     (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
-    `attention_fn` also receives. Options: see the module docs and SPEC §1.1.
+    `attention_fn` also receives. Options: the fields of `AttentionOptions` (qkv_core/options.py), SPEC §1.1.
     """
     _require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = _take(x_list, "x_list")

@@ -548,3 +548,17 @@ def test_merge_lse_names_the_layout():
         qc.merge_lse_(out, torch.randn(1, 6, 4), other, good)
     with pytest.raises(ValueError, match=r"out and other must be one shape"):
         qc.merge_lse_(out, good, torch.randn(1, 6, 4, 16), good.clone())
+
+
+def test_split_plan_says_why_it_does_not_split():
+    """One decision for the runtime and for the node's memory estimate (`qkv_core.split_plan`)."""
+    assert qc.split_plan(40, 75600, "high") == qc.SplitPlan(20)
+    assert qc.split_plan(40, 75600, "low") == qc.SplitPlan(4)
+    assert qc.split_plan(40, 75600, "off") == qc.SplitPlan(1, "head split Off")
+    assert qc.split_plan(40, 100, "high") == qc.SplitPlan(1, "100 tokens, under 8192")
+    assert qc.split_plan(40, 100, "high", floor=64).groups == 20
+    assert qc.split_plan(1, 75600, "high") == qc.SplitPlan(1, "one key/value head")
+    assert qc.split_plan(40, 75600, "high", split_heads=False) == qc.SplitPlan(1, "split_heads=False")
+    assert qc.split_plan(40, 75600, "high", unsliceable="GGUF patch") == qc.SplitPlan(1, "GGUF patch")
+    assert qc.split_plan(40, 100, "high", unsliceable="GGUF patch").reason == "100 tokens, under 8192"
+    assert qc.group_count(40, 75600, 3) == 20
