@@ -733,6 +733,7 @@ def test_block_scaled_weights_slice_by_128_row_blocks(env, layout):
     (not run here): on a CPU the layer's product dequantizes, which the rows are compared through."""
     import torch.nn.functional as F
     torch = env.torch
+    _require_quantized_rows()
     quant_ops = pytest.importorskip("comfy.quant_ops")
     if layout not in getattr(env.ops, "BLOCK_ROW_LAYOUTS", {}) or not getattr(quant_ops, "_CK_AVAILABLE", False):
         pytest.skip("no block-scaled QuantizedTensor in this ComfyUI")
