@@ -8,7 +8,7 @@ import torch
 import comfy.patcher_extension
 
 from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices, split_plan
-from . import compat, wan
+from . import compat, kernel_patch, wan
 from .dispatch import QKVConfig, backend_choices, split_floor
 from .report import PatchReport, logger
 
@@ -88,13 +88,13 @@ def make_run_wrapper(config: QKVConfig, adapter):
 
 
 def remove_own_patches(patcher) -> int:
-    """Drop this pack's object patches and run wrapper from `patcher` (a clone): a node applied again
-    replaces its own patch instead of stacking on it. Returns how many object patches were dropped."""
+    """Drop this pack's object patches, run wrapper and kernel-level override from `patcher` (a clone): a node
+    applied again replaces its own patch instead of stacking on it. Returns how many patches were dropped."""
     own = [key for key, value in patcher.object_patches.items() if compat.is_ours(value)]
     for key in own:
         del patcher.object_patches[key]
     patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-    return len(own)
+    return len(own) + int(kernel_patch.remove(patcher))
 
 
 def apply_patch(model, level: str, backend: str, block_bounds: bool):
@@ -111,9 +111,10 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool):
         report.note("this model was already patched by this node: that patch is replaced")
     diffusion_model = getattr(patched.model, "diffusion_model", None)
     adapter = find_adapter(diffusion_model) if diffusion_model is not None else None
-    if adapter is None:
-        report.note(f"not patched: {type(diffusion_model).__name__} is not a model family this pack supports "
-                    f"(supported: Wan 2.x)")
+    if diffusion_model is None:
+        report.note(f"not patched: {type(patched.model).__name__} has no diffusion model")
+    elif adapter is None:   # every other model: ComfyUI's attention calls on the pack's backend
+        kernel_patch.patch(patched, backend, report, type(diffusion_model).__name__)
     else:
         adapter.patch(patched, config, report)
         if report.any_patched:

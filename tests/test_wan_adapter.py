@@ -156,7 +156,10 @@ def test_lora_on_qkvo_gives_the_same_output(env, lowvram):
     assert rel_err(forward(base, "t2v"), plain) <= 1e-6  # and is gone afterwards
 
 
-def test_unsupported_model_passes_through(env, caplog):
+def test_another_family_gets_the_kernel_level_patch(env, caplog):
+    """A model no adapter covers: its attention calls go through the pack's override (nothing else of the
+    model is touched); with attention_backend=comfy it passes through untouched, said in one log line; the
+    node applied again replaces its own override."""
     torch = env.torch
 
     class NotWan(torch.nn.Module):
@@ -167,8 +170,15 @@ def test_unsupported_model_passes_through(env, caplog):
     clone.model = SimpleNamespace(diffusion_model=NotWan())  # what apply_patch probes
     caplog.set_level("INFO")
     out, report = env.node.apply_patch(clone, "High", "auto", True)
-    assert not out.object_patches and not report.any_patched
-    assert "not patched: NotWan is not a model family this pack supports" in caplog.text
+    override = out.model_options["transformer_options"]["optimized_attention_override"]
+    assert not out.object_patches and report.any_patched and override.comfyui_qkv_kernel_patch
+    assert "NotWan: kernel only (no family adapter yet)" in caplog.text
+    again, _ = env.node.apply_patch(out, "High", "sdpa", True)
+    assert again.model_options["transformer_options"]["optimized_attention_override"].previous is None
+    untouched, report = env.node.apply_patch(clone, "High", "comfy", True)
+    assert "optimized_attention_override" not in untouched.model_options.get("transformer_options", {})
+    assert not untouched.object_patches and not report.any_patched
+    assert "not patched: NotWan has no family adapter here, and attention_backend=comfy keeps" in caplog.text
 
 
 def test_quantized_weight_is_not_row_sliceable(env):

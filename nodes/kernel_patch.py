@@ -1,0 +1,122 @@
+"""Models no family adapter covers (UNets, other DiTs, families not known yet): a kernel-level patch.
+
+ComfyUI's attention calls of the model (`optimized_attention(q, k, v, heads, ...)`) go through an
+`optimized_attention_override` (transformer_options, ComfyUI's own hook) that runs them on the pack's backend:
+qkv_core's choice for `auto` (SageAttention 2 / FlashAttention when installed and able to take the call, else
+PyTorch SDPA with the pack's kernel order: cuDNN first on Hopper and Blackwell), or the one the node forces.
+Projections and memory stay the model's own: this saves no VRAM, the memory estimate is ComfyUI's.
+
+Kept as they are (the call goes on to what would have run): an override another node set (chained), a kernel the
+user chose with ComfyUI's flags (`auto`), a per-layer kernel choice (`preferred_attention`, newer ComfyUI), and
+any call with arguments the pack does not know.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..qkv_core import pay_attention
+from .dispatch import AUTO, COMFY, comfy_kernel_chosen
+
+OVERRIDE_KEY = "optimized_attention_override"
+# keyword arguments of ComfyUI's attention functions the pack reads or may pass over
+_KNOWN = {"transformer_options", "_inside_attn_wrapper", "enable_gqa", "attn_precision", "scale",
+          "low_precision_attention", "preferred_attention", "skip_reshape", "skip_output_reshape", "mask"}
+
+
+def make_override(backend: str, previous=None):
+    """The override for a model patched at the kernel level with `backend` ("auto" or a backend name).
+    `previous`: an override already in the model's transformer_options, which every call goes on to."""
+
+    def override(func, q, k, v, heads, *args, **kwargs):
+        if previous is not None:
+            return previous(func, q, k, v, heads, *args, **kwargs)
+        named = _named(args, kwargs)
+        if named is None or not _ours_can_take(backend, q, k, v, named):
+            return func(q, k, v, heads, *args, **kwargs)
+        return _attend(backend, q, k, v, heads, **named)
+
+    override.comfyui_qkv_kernel_patch = True
+    override.previous = previous
+    return override
+
+
+# ComfyUI's attention functions: (q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+# skip_output_reshape=False, **kwargs); models pass the first of these by position too
+_POSITIONAL = ("mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
+def _named(args, kwargs):
+    """The call's arguments by name, or None when they are not ComfyUI's attention contract."""
+    if len(args) > len(_POSITIONAL):
+        return None
+    named = dict(zip(_POSITIONAL, args))
+    if set(named) & set(kwargs):
+        return None
+    named.update(kwargs)
+    return None if set(named) - _KNOWN else named
+
+
+def _ours_can_take(backend, q, k, v, named) -> bool:
+    if named.get("preferred_attention") is not None:
+        return False   # the model picked a kernel for this layer
+    if backend == AUTO and comfy_kernel_chosen():
+        return False   # the user picked ComfyUI's kernel with its flags
+    if not all(torch.is_tensor(t) for t in (q, k, v)) or any(t.requires_grad for t in (q, k, v)):
+        return False   # not tensors (a container this version cannot take), or training: the model's kernel
+    mask = named.get("mask")
+    return mask is None or torch.is_tensor(mask)
+
+
+def _attend(backend, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, scale=None,
+            low_precision_attention=True, **_ignored):
+    """ComfyUI's attention contract on the pack's backend. Inputs `(B, N, H*D)` or, with `skip_reshape`,
+    `(B, H, N, D)`; the output `(B, N, H*D)` or, with `skip_output_reshape`, `(B, H, N, D)`. A mask of 2 or
+    3 dims gains the batch and heads dims as ComfyUI's SDPA path adds them."""
+    if skip_reshape:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    else:
+        d = q.shape[-1] // heads
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in (q, k, v))
+    if mask is not None:
+        mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
+        mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
+    force = "sdpa" if (scale is not None or low_precision_attention is False) else (
+        None if backend == AUTO else backend)
+    out = pay_attention(q, k, v, mask=mask, force_attention=force, softmax_scale=scale)
+    if skip_output_reshape:
+        return out.transpose(1, 2)
+    return out.flatten(2)
+
+
+def is_ours(override) -> bool:
+    return bool(getattr(override, "comfyui_qkv_kernel_patch", False))
+
+
+def patch(patcher, backend: str, report, family: str) -> bool:
+    """Sets the override on `patcher` (a clone) unless `backend` is ComfyUI's own dispatcher; True if set."""
+    if backend == COMFY:
+        report.note(f"not patched: {family} has no family adapter here, and attention_backend=comfy keeps "
+                    f"ComfyUI's kernel")
+        return False
+    options = patcher.model_options.setdefault("transformer_options", {})
+    previous = options.get(OVERRIDE_KEY)
+    if is_ours(previous):
+        previous = previous.previous
+    options[OVERRIDE_KEY] = make_override(backend, previous)
+    report.patched(family, "attention kernel", "optimized_attention")
+    report.note(f"{family}: kernel only (no family adapter yet): ComfyUI's attention calls run on the pack's "
+                f"backend ({backend}); projections and memory stay the model's own")
+    return True
+
+
+def remove(patcher) -> bool:
+    """Puts back the override this pack replaced (or none); True if there was one of the pack's."""
+    options = patcher.model_options.get("transformer_options", {})
+    current = options.get(OVERRIDE_KEY)
+    if not is_ours(current):
+        return False
+    if current.previous is None:
+        del options[OVERRIDE_KEY]
+    else:
+        options[OVERRIDE_KEY] = current.previous
+    return True
