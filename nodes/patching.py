@@ -10,28 +10,27 @@ import comfy.patcher_extension
 from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices, split_plan
 from . import compat, kernel_patch, wan
 from .dispatch import QKVConfig, backend_choices, split_floor
+from .family import check_adapter
 from .report import PatchReport, logger
 
 ADAPTERS = (wan,)
 LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
 WRAPPER_KEY = "comfyui_qkv"
 
-# How much of ComfyUI's activation estimate (`memory_usage_factor`) a patched model still needs, by what
-# the run will really do. ComfyUI fills the card with weights up to its estimate, so a patched run peaks no
-# higher than stock only if factor >= 1 - (1 - r) * A / E, where r is the pack's share of stock's real
-# activation memory and A / E stock's real use over ComfyUI's estimate. Measured on an H200 (v0.8.0, a whole
-# Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; docs/benchmarks.md): A / E = 0.93, r = 0.55
-# with the head split running (a block alone: 0.30-0.33, the rest is the model around the blocks and
-# ComfyUI's weight streaming), r = 0.84 without it. Hence 0.6 and 0.9. Attention patched alone leaves the
-# stock FFN's peak (1.0), and anything not verified yet in this process runs at ComfyUI's own estimate.
-MEMORY_FACTOR_BLOCK = 0.6
-MEMORY_FACTOR_BLOCK_UNSPLIT = 0.9
+for _adapter in ADAPTERS:   # each meets nodes/family.py's contract (a clear error at import otherwise)
+    check_adapter(_adapter)
+
+
 
 
 def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
                   transformer_options) -> tuple[float, str]:
     """The share of ComfyUI's activation estimate a run of the patched model needs, and why: `adapter`'s
-    model `diffusion_model` sampled on a latent of `latent_shape` with these `transformer_options`."""
+    model `diffusion_model` sampled on a latent of `latent_shape` with these `transformer_options`. The
+    family's measured factors (`adapter.MEMORY_FACTORS`) where the pack's forwards run; attention patched
+    alone leaves the stock feed-forward's peak (1.0), and anything not verified yet in this process, or
+    with other nodes' hooks, runs at ComfyUI's own estimate."""
+    factors = adapter.MEMORY_FACTORS
     if not config.block:
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
@@ -41,13 +40,13 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
         return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
     if tokens is None:
-        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split known for a latent of shape {latent_shape}"
+        return factors.unsplit, f"no head split known for a latent of shape {latent_shape}"
     # the runtime's own decision (qkv_core.split_plan), for one batch item: cond and uncond may run apart
     plan = split_plan(adapter.kv_heads(diffusion_model) or 2, tokens, config.level, split_floor(config),
                       unsliceable=adapter.splits_projections(diffusion_model))
     if plan.groups == 1:
-        return MEMORY_FACTOR_BLOCK_UNSPLIT, f"no head split ({plan.reason})"
-    return MEMORY_FACTOR_BLOCK, "head split"
+        return factors.unsplit, f"no head split ({plan.reason})"
+    return factors.split, "head split"
 
 
 def find_adapter(diffusion_model):

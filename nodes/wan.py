@@ -21,8 +21,16 @@ from . import compat
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, module_rows,
                         norm_weight, not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
+from .family import MemoryFactors
 
 FAMILY = "Wan"
+# Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
+# v0.33.0 in every weight format, where each patched run stayed under its card: docs/benchmarks.md). ComfyUI
+# fills the card with weights up to its estimate, so a patched run peaks no higher than stock only if
+# factor >= 1 - (1 - r) * A / E, r the pack's share of stock's real activation memory, A / E stock's real use
+# over ComfyUI's estimate: A / E = 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the
+# rest is the model around the blocks and ComfyUI's weight streaming), r = 0.84 without it.
+MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0")
 
 
 def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:

@@ -257,12 +257,12 @@ def test_memory_estimate_follows_what_the_run_does(env, monkeypatch):
         return seen[-1] / stock_factor
 
     assert run("High", True) == pytest.approx(1.0)        # first run: nothing verified yet
-    assert run("High", True) == pytest.approx(env.node.MEMORY_FACTOR_BLOCK_UNSPLIT)   # 48 tokens: no split
+    assert run("High", True) == pytest.approx(env.wan.MEMORY_FACTORS.unsplit)   # 48 tokens: no split
     monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 16)
-    assert run("High", True) == pytest.approx(env.node.MEMORY_FACTOR_BLOCK)
-    assert run("Off", True) == pytest.approx(env.node.MEMORY_FACTOR_BLOCK_UNSPLIT)
+    assert run("High", True) == pytest.approx(env.wan.MEMORY_FACTORS.split)
+    assert run("Off", True) == pytest.approx(env.wan.MEMORY_FACTORS.unsplit)
     assert run("High", False) == pytest.approx(1.0)
-    assert env.node.MEMORY_FACTOR_BLOCK < env.node.MEMORY_FACTOR_BLOCK_UNSPLIT < 1
+    assert env.wan.MEMORY_FACTORS.split < env.wan.MEMORY_FACTORS.unsplit < 1
 
 
 def test_memory_estimate_is_restored_after_a_cancel(env):
@@ -298,3 +298,20 @@ def test_even_chunks_respect_the_budget(env, tokens, per_token, budget):
     assert sum(sizes) == tokens and max(sizes) - min(sizes) <= max(256, -(-tokens // len(sizes)))
     if -(-(-(-tokens // len(sizes))) // 256) * 256 <= most:
         assert step % 256 == 0
+
+
+def test_every_adapter_meets_the_family_contract(env):
+    """nodes/family.py: what patching, the memory estimate and the report need of a family adapter."""
+    family = env.pack.nodes.family
+    for adapter in env.node.ADAPTERS:
+        assert isinstance(adapter, family.FamilyAdapter), adapter
+        family.check_adapter(adapter)
+        assert 0 < adapter.MEMORY_FACTORS.split <= adapter.MEMORY_FACTORS.unsplit < 1
+    broken = SimpleNamespace(FAMILY="Broken", matches=lambda m: False)
+    with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, patch, "):
+        family.check_adapter(broken)
+    inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in (
+        "FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections")},
+        MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
+    with pytest.raises(ValueError, match=r"0 < split <= unsplit <= 1"):
+        family.check_adapter(inverted)

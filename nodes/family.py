@@ -1,0 +1,60 @@
+"""The contract every model-family adapter meets (`nodes/wan.py` is the first), so that `nodes/patching.py`
+patches, plans memory for and reports on any family the same way.
+
+An adapter is a module (or any object) with these names; `patching.ADAPTERS` lists them in the order they are
+tried, and a model none of them matches gets the kernel-level patch (`nodes/kernel_patch.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Protocol, runtime_checkable
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFactors:
+    """The share of ComfyUI's activation estimate (`memory_usage_factor`) a patched run of the family needs,
+    measured on a whole model of it: `split` when the head split runs, `unsplit` when it does not (level Off,
+    a short sequence, projections without rows). ComfyUI fills the card with weights up to its estimate, so
+    they must hold for the whole model, not a block alone (docs/benchmarks.md, "The memory estimate")."""
+
+    split: float
+    unsplit: float
+    measured: str   # where the numbers come from
+
+
+@runtime_checkable
+class FamilyAdapter(Protocol):
+    FAMILY: str                      # the name the log and the report use ("Wan")
+    MEMORY_FACTORS: MemoryFactors
+
+    def matches(self, diffusion_model) -> bool:
+        """True for the family's diffusion models (by structure, not by class name alone)."""
+
+    def patch(self, patcher, config, report) -> None:
+        """Object patches on `patcher` (a clone) for `config`; every module patched or skipped goes into
+        `report` (skipped: with the reason)."""
+
+    def stock_functions(self, diffusion_model) -> set:
+        """ComfyUI's functions the pack's forwards stand in for: the self-check verifies each once per process
+        (the memory estimate stays ComfyUI's until they all are)."""
+
+    def tokens_per_item(self, diffusion_model, latent_shape) -> Optional[int]:
+        """Tokens of one batch item of the longest attention for a latent of `latent_shape`, or None."""
+
+    def kv_heads(self, diffusion_model) -> Optional[int]:
+        """Key/value heads of that attention, or None."""
+
+    def splits_projections(self, diffusion_model) -> Optional[str]:
+        """None when its q/k/v can be computed by rows (the head split can run), else why not."""
+
+
+def check_adapter(adapter) -> None:
+    """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for factors out of order."""
+    missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "matches", "patch", "stock_functions",
+                                 "tokens_per_item", "kv_heads", "splits_projections") if not hasattr(adapter, name)]
+    if missing:
+        raise TypeError(f"{getattr(adapter, '__name__', adapter)!s} is not a family adapter: it lacks "
+                        f"{', '.join(missing)} (see nodes/family.py)")
+    factors = adapter.MEMORY_FACTORS
+    if not 0 < factors.split <= factors.unsplit <= 1:
+        raise ValueError(f"{adapter.FAMILY}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
