@@ -132,3 +132,40 @@ def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel):
     ours = run(patched)
     assert len(kernel.calls) == 2                                     # the double and the single block
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+SD15_TINY = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True,
+             "legacy": False, "adm_in_channels": None, "in_channels": 4, "model_channels": 32,
+             "num_res_blocks": [1, 1], "transformer_depth": [1, 1], "channel_mult": [1, 2],
+             "transformer_depth_middle": 1, "use_linear_in_transformer": False, "context_dim": 32, "num_heads": 2,
+             "transformer_depth_output": [1, 1, 1, 1], "use_temporal_attention": False,
+             "use_temporal_resblock": False}
+
+
+def test_a_tiny_sd15_unet_routes_through_the_pack(env, kernel):
+    """A UNet (SD1.x, from ComfyUI's own config class): its self- and cross-attention calls (positional masks,
+    flat layout) run on the pack's backend, and the output equals stock."""
+    import comfy.model_patcher
+    import comfy.supported_models
+    torch = env.torch
+    model_config = comfy.supported_models.SD15(dict(SD15_TINY))
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    patched, report = env.node.apply_patch(base, "High", "auto", True)
+    assert report.any_patched and not patched.object_patches
+    g = torch.Generator().manual_seed(1)
+    x, context = torch.randn(1, 4, 16, 16, generator=g), torch.randn(1, 7, 32, generator=g)
+
+    def run(patcher):
+        options = dict(patcher.model_options["transformer_options"])
+        with torch.no_grad():
+            return model.diffusion_model(x, torch.tensor([500.0]), context=context, transformer_options=options)
+    stock = run(base)
+    assert not kernel.calls
+    ours = run(patched)
+    blocks = sum(type(m).__name__ == "BasicTransformerBlock" for m in model.diffusion_model.modules())
+    assert blocks and len(kernel.calls) == 2 * blocks    # each transformer block's self and cross attention
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
