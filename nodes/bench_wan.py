@@ -63,25 +63,27 @@ def kitchen_note() -> str:
         return f"comfy_kitchen not importable ({type(e).__name__})"
 
 
+def random_like(shape, name: str, generator, device) -> torch.Tensor:
+    """Values at a trained model's scale for the parameter `name` of `shape`, float32 on `device`: Linear
+    weights N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2), modulation N(0, 0.3^2) (gates of about 0.3),
+    biases and the rest N(0, 0.02^2)."""
+    v = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "weight" and "norm" in name:
+        return v.mul_(0.1).add_(1.0)
+    if leaf == "weight" and len(shape) >= 2:
+        return v.div_(math.sqrt(math.prod(shape[1:])))
+    if "modulation" in leaf:
+        return v.mul_(0.3)
+    return v.mul_(0.02)
+
+
 def fill_random_(module: torch.nn.Module, seed: int) -> None:
-    """ComfyUI's ops leave parameters uninitialised: Linear weights N(0, 1/fan_in), norm weights
-    1 + N(0, 0.1^2), modulation N(0, 0.3^2) (gates of about 0.3), biases N(0, 0.02^2). Drawn on the
-    parameter's device in float32, then cast."""
+    """ComfyUI's ops leave parameters uninitialised: `random_like` for each, drawn on the parameter's device."""
     generator = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            v = torch.randn(p.shape, generator=generator, device=p.device, dtype=torch.float32)
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "weight" and "norm" in name:
-                v.mul_(0.1).add_(1.0)
-            elif leaf == "weight" and p.ndim >= 2:
-                v.div_(math.sqrt(math.prod(p.shape[1:])))
-            elif "modulation" in leaf:
-                v.mul_(0.3)
-            else:
-                v.mul_(0.02)
-            p.copy_(v)
-            del v
+            p.copy_(random_like(tuple(p.shape), name, generator, p.device))
 
 
 FP8_SCALED = "fp8_scaled"

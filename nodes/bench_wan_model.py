@@ -32,7 +32,6 @@ import gc
 import inspect
 import json
 import logging
-import math
 import os
 import time
 
@@ -43,7 +42,8 @@ import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 import comfy.ops
 
-from .bench_wan import FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0
+from .bench_wan import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
+                        random_like)
 from .patching import apply_patch
 from .report import logger
 
@@ -71,20 +71,6 @@ class _FactorLog(logging.Handler):
 
 class ProbeDone(Exception):
     """Raised after the first model call of a probe: its peak is the run's."""
-
-
-def _random_like(shape, name: str, generator, device) -> torch.Tensor:
-    """Values like a trained model's scale: Linear/conv weights N(0, 1/fan_in), norm weights 1 + N(0, 0.1^2),
-    modulation N(0, 0.3^2), the rest N(0, 0.02^2); float32 on `device`."""
-    v = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "weight" and "norm" in name:
-        return v.mul_(0.1).add_(1.0)
-    if leaf == "weight" and len(shape) >= 2:
-        return v.div_(math.sqrt(math.prod(shape[1:])))
-    if "modulation" in leaf:
-        return v.mul_(0.3)
-    return v.mul_(0.02)
 
 
 def _quantizable(key: str, shape) -> bool:
@@ -123,7 +109,7 @@ def wan_state_dict(fmt: str, config: dict, device, seed: int = 0, gguf_ops=None)
     for key, shape in shapes.items():
         if key.startswith("blocks.") and not key.startswith("blocks.0."):
             continue
-        converted = _convert(key, _random_like(shape, key, generator, device), fmt, gguf_ops)
+        converted = _convert(key, random_like(shape, key, generator, device), fmt, gguf_ops)
         for k, v in converted.items():
             # .to(), not .cpu(): ComfyUI-GGUF's tensor class keeps its attributes through .to() only
             (block0 if key.startswith("blocks.0.") else sd)[k] = v.to("cpu") if v.device.type != "cpu" else v
@@ -184,8 +170,9 @@ def free_everything() -> None:
         torch.cuda.empty_cache()
 
 
-def conditioning(device_seed: int, text_dim: int):
-    g = torch.Generator().manual_seed(device_seed)
+def conditioning(seed: int, text_dim: int):
+    """Random text embeddings (umt5's width) for cond and uncond, as ComfyUI's text encoder hands them over."""
+    g = torch.Generator().manual_seed(seed)
     positive = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
     negative = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
     return positive, negative
