@@ -197,5 +197,70 @@ def check_tokens(tokens: int) -> int:
     return min(tokens, CHECK_TOKENS)
 
 
-__all__ = ["guarded", "self_check", "known_verdict", "compare", "probe_options", "mark_ours", "is_ours",
-           "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens", "CHECK_TOKENS"]
+# --- guarding one module's forward: what every family adapter shares -------------------------------------
+def bind_args(names, args, kwargs) -> Optional[dict]:
+    """The call's arguments by name, or None when it passes one the pack's forward does not know."""
+    if len(args) > len(names) or any(name not in names for name in kwargs):
+        return None
+    bound = dict(zip(names, args))
+    if any(name in bound for name in kwargs):
+        return None
+    bound.update(kwargs)
+    return bound
+
+
+def unknown_args(names, args, kwargs) -> str:
+    extra = [name for name in kwargs if name not in names] or [f"{len(args)} positional"]
+    return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
+
+
+def layers_signature(module) -> tuple:
+    """Layer classes and weight dtypes under `module`: a different weight format is checked on its own."""
+    return tuple((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None)))
+                 for name, child in module.named_modules() if hasattr(child, "weight"))
+
+
+def fresh_inputs(inputs: dict) -> dict:
+    """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
+    return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
+
+
+def guard_module(what: str, module, names, ours_factory, config, *, functions: Callable, signature: Callable,
+                 check_inputs: Callable, residual: Optional[str] = None, quantized: Optional[Callable] = None,
+                 refuse_more: Optional[Callable] = None) -> Callable:
+    """`guarded` for one module of a family: ours = `ours_factory(module, config)`, self-checked once per
+    kind of call against the module's own forward on `check_inputs(bound)` (the call's first tokens), with
+    the head split forced (`config._replace(split_floor=0)`).
+
+    `names`: the forward's parameters (a call with others runs stock); `functions()`: ComfyUI's functions
+    whose math ours replaces (the verdict is kept for them); `signature(bound)`: what makes a call another
+    kind (dtype, layouts, hooks present, ...); `residual`: the input a block adds its update to (the check
+    compares the updates); `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
+    `refuse_more(module)`: a reason to run stock for a module state the check cannot see."""
+    stock = stock_forward(module)
+    ours = ours_factory(module, config)
+    checked = ours_factory(module, config._replace(split_floor=0))
+
+    def refuse(args, kwargs):
+        if bind_args(names, args, kwargs) is None:
+            return unknown_args(names, args, kwargs)
+        return refuse_more(module) if refuse_more is not None else None
+
+    def check(args, kwargs):
+        bound = bind_args(names, args, kwargs)
+        call_signature = signature(bound)
+        known, reason = known_verdict(call_signature)
+        if known:   # every call after the first of its kind: no check inputs are made
+            return reason
+        inputs = check_inputs(bound)
+        base = inputs[residual].clone() if residual is not None else None
+        return self_check(call_signature, functions(), lambda: stock(**fresh_inputs(inputs)),
+                          lambda: checked(**fresh_inputs(inputs)), base=base,
+                          quantized=bool(quantized and quantized()))
+
+    return guarded(what, stock, ours, refuse, check)
+
+
+__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "probe_options", "mark_ours",
+           "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
+           "CHECK_TOKENS", "bind_args", "unknown_args", "layers_signature", "fresh_inputs"]

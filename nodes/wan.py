@@ -426,28 +426,6 @@ VACE_BLOCK_ARGS = ("c",) + BLOCK_ARGS
 BLOCK_PARTS = ("self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3")
 
 
-def _bind(names, args, kwargs) -> Optional[dict]:
-    """The call's arguments by name, or None when it passes one the pack's forward does not know."""
-    if len(args) > len(names) or any(name not in names for name in kwargs):
-        return None
-    bound = dict(zip(names, args))
-    if any(name in bound for name in kwargs):
-        return None
-    bound.update(kwargs)
-    return bound
-
-
-def _unknown(names, args, kwargs) -> str:
-    extra = [name for name in kwargs if name not in names] or [f"{len(args)} positional"]
-    return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
-
-
-def _layers_signature(module) -> tuple:
-    """Layer classes and weight dtypes under `module`: a different weight format is checked on its own."""
-    return tuple((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None)))
-                 for name, child in module.named_modules() if hasattr(child, "weight"))
-
-
 def _stock_functions(module) -> tuple:
     """ComfyUI's forward functions whose math a forward of the pack replaces."""
     parts = [getattr(module, name, None) for name in BLOCK_PARTS[:3]]
@@ -459,7 +437,7 @@ def _signature(kind: str, module, config, bound: dict) -> tuple:
     x = bound["c"] if "c" in bound else bound["x"]
     e, img_len = bound.get("e"), bound.get("context_img_len")
     e_layout = None if e is None else (e.ndim, e.shape[1] == 1, e.shape[1] == x.shape[1])
-    return (kind, _stock_functions(module), _layers_signature(module), x.dtype, x.device.type, config,
+    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
             frozenset(name for name, hooks in options.get("patches", {}).items() if hooks),
             "optimized_attention_override" in options, e_layout, img_len is None, bound.get("freqs") is None)
 
@@ -486,34 +464,12 @@ def _check_inputs(bound: dict) -> dict:
 
 
 def _guard(kind: str, what: str, module, names, ours_factory, config, refuse_more=None):
-    """`compat.guarded` for one module: ours = `ours_factory(module, config)`, self-checked against the
-    module's own forward on the call's first tokens with the head split forced."""
-    stock = compat.stock_forward(module)
-    ours = ours_factory(module, config)
-    checked = ours_factory(module, config._replace(split_floor=0))
-
-    def refuse(args, kwargs):
-        if _bind(names, args, kwargs) is None:
-            return _unknown(names, args, kwargs)
-        return refuse_more(module) if refuse_more is not None else None
-
-    def check(args, kwargs):
-        bound = _bind(names, args, kwargs)
-        signature = _signature(kind, module, config, bound)
-        known, reason = compat.known_verdict(signature)
-        if known:   # every call after the first of its kind: no check inputs are made
-            return reason
-        inputs = _check_inputs(bound)
-        base = inputs["c" if "c" in bound else "x"].clone() if kind.endswith("block") else None
-        return compat.self_check(signature, _stock_functions(module), lambda: stock(**_fresh(inputs)),
-                                 lambda: checked(**_fresh(inputs)), base=base, quantized=quantizes_inputs(module))
-
-    return compat.guarded(what, stock, ours, refuse, check)
-
-
-def _fresh(inputs: dict) -> dict:
-    """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
-    return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
+    """`compat.guard_module` with Wan's call signature and check inputs."""
+    return compat.guard_module(
+        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
+        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
+        residual=("c" if "c" in names else "x") if kind.endswith("block") else None,
+        quantized=lambda: quantizes_inputs(module), refuse_more=refuse_more)
 
 
 def foreign_part(block) -> Optional[str]:

@@ -544,7 +544,8 @@ def test_kv_first_attention_wants_heads_split_out():
 def test_merge_lse_names_the_layout():
     out, other = torch.randn(1, 6, 4, 32), torch.randn(1, 6, 4, 32)
     good = torch.randn(1, 4, 6)
-    with pytest.raises(ValueError, match=r"lse must be \(batch, heads, tokens\) = \(1, 4, 6\).*pass \.transpose\(1, 2\)"):
+    with pytest.raises(ValueError,
+                       match=r"lse must be \(batch, heads, tokens\) = \(1, 4, 6\).*pass \.transpose\(1, 2\)"):
         qc.merge_lse_(out, torch.randn(1, 6, 4), other, good)
     with pytest.raises(ValueError, match=r"out and other must be one shape"):
         qc.merge_lse_(out, good, torch.randn(1, 6, 4, 16), good.clone())
