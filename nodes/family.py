@@ -7,7 +7,9 @@ tried, and a model none of them matches gets the kernel-level patch (`nodes/kern
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, runtime_checkable
+
+from . import compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,3 +60,28 @@ def check_adapter(adapter) -> None:
     factors = adapter.MEMORY_FACTORS
     if not 0 < factors.split <= factors.unsplit <= 1:
         raise ValueError(f"{adapter.FAMILY}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
+
+
+def patch_module(patcher, report, family: str, path: str, what: str, make_forward: Callable[[], Callable],
+                 probe: Callable[[], Optional[str]], parts=()) -> bool:
+    """The patch loop's one step, the same for every family: an object patch of `<path>.forward` on `patcher`
+    (a clone) with `make_forward()`, unless another node patched that forward (its patch is kept), or one of
+    the module's `parts` the pack's forward computes itself (kept; the module then runs as ComfyUI's and
+    calls them), or `probe()` finds the module is not what the pack's forward expects. Every outcome goes
+    into `report`; True when patched."""
+    def foreign(key: str) -> bool:
+        return key in patcher.object_patches and not compat.is_ours(patcher.object_patches[key])
+
+    foreign_parts = [name for name in parts if foreign(f"{path}.{name}.forward")]
+    if foreign(f"{path}.forward"):
+        reason = "another node patched it (its patch is kept)"
+    elif foreign_parts:
+        reason = f"another node patched its {', '.join(foreign_parts)} (kept; it runs as ComfyUI's)"
+    else:
+        reason = probe()
+    if reason is not None:
+        report.skipped(family, f"{path} ({what})" if what == "block" else path, reason)
+        return False
+    patcher.add_object_patch(f"{path}.forward", make_forward())
+    report.patched(family, what, path)
+    return True

@@ -21,7 +21,7 @@ from . import compat
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, module_rows,
                         norm_weight, not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
-from .family import MemoryFactors
+from .family import MemoryFactors, patch_module
 
 FAMILY = "Wan"
 # Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
@@ -564,40 +564,20 @@ def patch(patcher, config, report) -> None:
     modules always (they serve a block that runs stock too), the blocks with block bounds. A module another
     node already patched keeps that patch (its block then runs stock, calling it)."""
     model = patcher.model.diffusion_model
-
-    def foreign(key: str) -> bool:
-        return key in patcher.object_patches and not compat.is_ours(patcher.object_patches[key])
-
     for path, list_name, block in _block_lists(model):
         kind = "VaceWanAttentionBlock" if list_name == "vace_blocks" else "WanAttentionBlock"
         for name, factory in (("self_attn", self_attention_forward), ("cross_attn", cross_attention_forward)):
             module = getattr(block, name, None)
             if module is None:
                 continue
-            key = f"{path}.{name}.forward"
-            reason = "another node patched it (its patch is kept)" if foreign(key) else \
-                probe_attention(module, "WanSelfAttention" if name == "self_attn" else type(module).__name__)
-            if reason is None:
-                patcher.add_object_patch(key, factory(module, config))
-                report.patched(FAMILY, name, f"{path}.{name}")
-            else:
-                report.skipped(FAMILY, f"{path}.{name}", reason)
-        if not config.block:
-            continue
-        key = f"{path}.forward"
-        foreign_parts = [name for name in BLOCK_PARTS if foreign(f"{path}.{name}.forward")]
-        if foreign(key):
-            reason = "another node patched it (its patch is kept)"
-        elif foreign_parts:
-            reason = f"another node patched its {', '.join(foreign_parts)} (kept; the block runs as ComfyUI's)"
-        else:
-            reason = probe_block(block, kind)
-        if reason is None:
+            expected = "WanSelfAttention" if name == "self_attn" else type(module).__name__
+            patch_module(patcher, report, FAMILY, f"{path}.{name}", name,
+                         lambda module=module, factory=factory: factory(module, config),
+                         lambda module=module, expected=expected: probe_attention(module, expected))
+        if config.block:
             factory = bounded_vace_block_forward if kind == "VaceWanAttentionBlock" else bounded_block_forward
-            patcher.add_object_patch(key, factory(block, config))
-            report.patched(FAMILY, "block", path)
-        else:
-            report.skipped(FAMILY, f"{path} (block)", reason)
+            patch_module(patcher, report, FAMILY, path, "block", lambda: factory(block, config),
+                         lambda: probe_block(block, kind), parts=BLOCK_PARTS)
 
 
 def stock_functions(diffusion_model) -> set:
