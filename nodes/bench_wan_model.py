@@ -232,7 +232,7 @@ def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool,
     if calls and timed_steps:
         record["s_per_step"] = sum(t for step, t, _ in calls if step in timed_steps) / len(timed_steps)
         record["calls_per_step"] = sum(1 for step, _, _ in calls if step in timed_steps) / len(timed_steps)
-    del run, calls
+    run = None   # the clone (and with it the wrapper's references) before the memory is handed back
     free_everything()
     return record
 
@@ -310,10 +310,9 @@ def main(argv=None) -> int:
             out.write(json.dumps(record) + "\n")
             out.flush()
 
-    def probe(model, frames):
+    def probe(model, method: str, fmt: str, frames: int) -> bool:
         record = sample_once(model, frames, size, 1, args.cfg, True, config["text_dim"])
-        emit(dict(record, format=fmt, card_gib=format_cards.get(fmt, cards)[0], method="stock" if model is base
-                  else "pack", probe=True))
+        emit(dict(record, format=fmt, card_gib=format_cards.get(fmt, cards)[0], method=method, probe=True))
         return record["fits"]
 
     for fmt in formats:
@@ -343,13 +342,14 @@ def main(argv=None) -> int:
             for method in methods:
                 first = args.frames if method == "stock" or not stock_best else min(2 * stock_best - 1,
                                                                                       args.max_frames)
-                best = search_frames(lambda frames: probe(models[method], frames), first, args.frame_step,
+                model = models[method]
+                best = search_frames(lambda frames: probe(model, method, fmt, frames), first, args.frame_step,
                                      args.max_frames)
-                emit({"format": fmt, "card_gib": format_cards.get(fmt, cards)[0], "method": method, "most_frames": best,
-                      "frame_step": args.frame_step, "max_frames": args.max_frames})
+                emit({"format": fmt, "card_gib": format_cards.get(fmt, cards)[0], "method": method,
+                      "most_frames": best, "frame_step": args.frame_step, "max_frames": args.max_frames})
                 if method == "stock":
                     stock_best = best
-        del models, patched, base
+        models = patched = base = model = None   # the model's weights go before the next format's load
         free_everything()
     if out is not None:
         out.close()
