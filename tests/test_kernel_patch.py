@@ -93,6 +93,19 @@ def test_what_the_pack_leaves_to_comfyui(env, kernel, monkeypatch):
     assert len(kernel.calls) == 1                                     # a forced backend is the user's choice
 
 
+def _stock_and_patched(env, model):
+    """A random-weight `model` (ComfyUI's model_base) in a ModelPatcher, and the node's patch of it, which for
+    a family without an adapter is the kernel-level one only."""
+    import comfy.model_patcher
+    torch = env.torch
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    patched, report = env.node.apply_patch(base, "High", "auto", True)
+    assert report.any_patched and not patched.object_patches
+    return base, patched
+
+
 FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
         "hidden_size": 64, "mlp_ratio": 4.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
         "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True, "guidance_embed": False, "patch_size": 2,
@@ -100,7 +113,6 @@ FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_di
 
 
 def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel):
-    import comfy.model_patcher
     import comfy.supported_models
     torch = env.torch
     config = dict(FLUX)
@@ -113,11 +125,7 @@ def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel):
         model = model_config.get_model({}, device=torch.device("cpu"))
     except Exception as e:   # noqa: BLE001 - a ComfyUI whose Flux takes other settings
         pytest.skip(f"this ComfyUI builds no tiny Flux from this config: {e}")
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
-    patched, report = env.node.apply_patch(base, "High", "auto", True)
-    assert report.any_patched and not patched.object_patches
+    base, patched = _stock_and_patched(env, model)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 16, 16, 16, generator=g)
     context, y = torch.randn(1, 8, 32, generator=g), torch.randn(1, 32, generator=g)
@@ -145,17 +153,12 @@ SD15_TINY = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_
 def test_a_tiny_sd15_unet_routes_through_the_pack(env, kernel):
     """A UNet (SD1.x, from ComfyUI's own config class): its self- and cross-attention calls (positional masks,
     flat layout) run on the pack's backend, and the output equals stock."""
-    import comfy.model_patcher
     import comfy.supported_models
     torch = env.torch
     model_config = comfy.supported_models.SD15(dict(SD15_TINY))
     model_config.set_inference_dtype(torch.float32, None)
-    model = model_config.get_model({}, device=torch.device("cpu"))
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
-    patched, report = env.node.apply_patch(base, "High", "auto", True)
-    assert report.any_patched and not patched.object_patches
+    base, patched = _stock_and_patched(env, model_config.get_model({}, device=torch.device("cpu")))
+    model = base.model
     g = torch.Generator().manual_seed(1)
     x, context = torch.randn(1, 4, 16, 16, generator=g), torch.randn(1, 7, 32, generator=g)
 
