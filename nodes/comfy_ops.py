@@ -1,11 +1,13 @@
 """The one mechanism every model adapter shares: ComfyUI weights by rows, norms by head group, token chunks.
 
-- `ComfyLinearRows`: a ComfyUI Linear as a `qkv_core.RowProjection`. The weight is taken once per layer call
-  through `comfy.ops.cast_bias_weight` (LoRA weight functions of partially loaded models, dtype casts incl.
-  fp8 storage, offload; `cast_owned`: copied out of an offload stream's shared buffer; scaled-fp8
-  `scale_weight` multiplied in), or through the layer's own cast for layers that dequantize themselves
-  (GGUF), then rows are sliced. Weights whose layer computes in its own format (QuantizedTensor matmuls, fp8
-  matmul ops, unknown op classes) say "not row-sliceable" and run whole through the layer.
+- `ComfyLinearRows`: a ComfyUI Linear as a `qkv_core.RowProjection`, each head group's rows computed as the
+  layer computes them. Weights on the device with nothing applied on the fly (fp8 cast per call, GGUF):
+  only the rows a group needs are cast or dequantized (`row_caster`); otherwise the weight is taken once per
+  layer call through `comfy.ops.cast_bias_weight` (LoRA weight functions, offload, scaled-fp8
+  `scale_weight`; `cast_owned`: copied out of an offload stream's shared buffer) or the GGUF layer's own
+  cast, then sliced. Layers that compute in their own format run their own matmul on row slices of the
+  weight (`QuantizedRows`: fp8-scaled, int8_tensorwise, nvfp4/mxfp8 by 128-row blocks, ComfyUI's fp8 ops),
+  the input quantized once for q, k and v. Anything else says "not row-sliceable" and runs whole.
 - `CastLinear`: the same cast, held for a whole layer call, applied to token chunks (FFN, output projection).
 - `rms_norm_rows` / `module_rows`: an RMSNorm over all heads on a chunk of one head group (from precomputed
   mean squares), or the model's own norm on a chunk holding every head.
@@ -72,9 +74,9 @@ def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
     with a per-tensor-scaled weight (rows: that matmul on a row slice of the quantized data, same scales);
     `("dequantized", None)` when its forward dequantizes the weight for a full-precision matmul (old
     scaled-fp8 checkpoints, a LoRA weight function, forced casts: rows of that weight); `("weight_only", None)`
-    for formats whose layer dequantizes the weight and never quantizes its input (int8_tensorwise, ...: rows
-    of that weight); `(None, why)` otherwise (block-scaled layouts whose layer quantizes its input, input
-    smoothing, other classes): run whole."""
+    for weight-only formats with one scale per weight (int8_tensorwise: the weight's own matmul on row slices
+    of its data); nvfp4 / mxfp8 are "quantized" too, by whole 128-row blocks; `(None, why)` otherwise (other
+    weight-only or block layouts, input smoothing, other classes): run whole."""
     weight = linear.weight
     layout = getattr(weight, "_layout_cls", None)
     if _CAST_CONTEXT is None:
@@ -222,10 +224,10 @@ def not_row_sliceable(linear) -> Optional[str]:
 
 
 class CastLinear:
-    """A ComfyUI Linear's weight and bias cast once for `x`'s device and dtype; `release()` hands an offload
-    stream's buffers back. `cast(t)` applies it to any input with `x`'s dtype/device. A layer whose weight
-    cannot be used as a plain matrix (`not_row_sliceable`: QuantizedTensor, GGUF, unknown op classes) is
-    not cast: `cast(t)` runs the layer itself, as ComfyUI runs it (`weight` is None then)."""
+    """A ComfyUI Linear's weight and bias cast once for `x`'s device and dtype (owned: `cast_owned`);
+    `release()` drops them. `cast(t)` applies it to any input with `x`'s dtype/device. A layer that computes
+    in its own format (QuantizedTensor matmuls, ComfyUI's fp8 ops, unknown op classes) is not cast:
+    `cast(t)` runs the layer itself, as ComfyUI runs it (`weight` is None then)."""
 
     def __init__(self, linear, x: torch.Tensor):
         self._linear = linear
@@ -233,6 +235,8 @@ class CastLinear:
         self.own_format = not_row_sliceable(linear)
         if self.own_format is None and _is_quantized(getattr(linear, "weight", None)):
             self.own_format = "QuantizedTensor weight: the layer's own quantized matmul"
+        if self.own_format is None and fp8_matmul_rows(linear):
+            self.own_format = "ComfyUI's fp8 ops: the layer's own fp8 matmul"
         if self.own_format is not None:
             return
         if _RUN_EVERY_OP is not None:

@@ -789,9 +789,12 @@ def test_fp8_matrix_multiplication_ops_split_and_equal_stock(env):
     with SdpaHeads(torch) as spy:
         out = forward(base, patched, **size)
     assert set(spy.self_heads) == {1}
-    # fp8 with scale 1 rounds O(1) activations in steps of 1/16 to 1/8: one step of one element moved by the
-    # split's bf16 round-off is up to ~6 % of the output's largest value
-    assert rel_err(out, reference) <= 6e-2
+    # fp8 with scale 1 rounds O(1) activations in steps of 1/16 to 1/8: the split's bf16 round-off moves a few
+    # elements of the next layers' inputs by one step (measured 0.013; 0.042 while the output projection and
+    # the FFN still ran as bf16 matmuls of the cast weight instead of the layers' own fp8 matmul)
+    assert rel_err(out, reference) <= 3e-2
+    ffn_up = model.diffusion_model.blocks[0].ffn[0]
+    assert env.ops.CastLinear(ffn_up, torch.zeros(1, 1, 256, dtype=torch.bfloat16)).own_format   # the layer's own
     x = torch.randn(2, 40, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         prepared = env.ops.ComfyLinearRows(q).prepare(x.clone())
