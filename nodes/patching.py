@@ -21,8 +21,6 @@ for _adapter in ADAPTERS:   # each meets nodes/family.py's contract (a clear err
     check_adapter(_adapter)
 
 
-
-
 def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
                   transformer_options) -> tuple[float, str]:
     """The share of ComfyUI's activation estimate a run of the patched model needs, and why: `adapter`'s
@@ -97,8 +95,9 @@ def remove_own_patches(patcher) -> int:
 
 
 def apply_patch(model, level: str, backend: str, block_bounds: bool):
-    """A patched clone of `model` (a ModelPatcher) and its report. Unsupported models come back as an
-    unpatched clone, with the reason logged."""
+    """A patched clone of `model` (a ModelPatcher) and its report: a family adapter's patches, else the
+    kernel-level patch (`kernel_patch`); a model with no diffusion model, or `backend` comfy without an
+    adapter, comes back as an unpatched clone, with the reason logged."""
     if level not in LEVELS:
         raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
     if backend not in backend_choices():
