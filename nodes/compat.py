@@ -118,8 +118,9 @@ def compare(stock, ours, base: Optional[torch.Tensor] = None, quantized: bool = 
     if isinstance(stock, (tuple, list)):
         if not isinstance(ours, (tuple, list)) or len(ours) != len(stock):
             return "the outputs have another structure"
-        for a, b in zip(stock, ours):
-            reason = compare(a, b, quantized=quantized)
+        bases = base if isinstance(base, (tuple, list)) else (None,) * len(stock)
+        for a, b, part_base in zip(stock, ours, bases):
+            reason = compare(a, b, part_base, quantized=quantized)
             if reason:
                 return reason
         return None
@@ -227,7 +228,7 @@ def fresh_inputs(inputs: dict) -> dict:
 
 def guard_module(what: str, module, names, ours_factory, config, *, functions: Callable, signature: Callable,
                  check_inputs: Callable, residual: Optional[str] = None, quantized: Optional[Callable] = None,
-                 refuse_more: Optional[Callable] = None) -> Callable:
+                 refuse_more: Optional[Callable] = None, refuse_call: Optional[Callable] = None) -> Callable:
     """`guarded` for one module of a family: ours = `ours_factory(module, config)`, self-checked once per
     kind of call against the module's own forward on `check_inputs(bound)` (the call's first tokens), with
     the head split forced (`config._replace(split_floor=0)`).
@@ -235,15 +236,21 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     `names`: the forward's parameters (a call with others runs stock); `functions()`: ComfyUI's functions
     whose math ours replaces (the verdict is kept for them); `signature(bound)`: what makes a call another
     kind (dtype, layouts, hooks present, ...); `residual`: the input a block adds its update to (the check
-    compares the updates); `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
-    `refuse_more(module)`: a reason to run stock for a module state the check cannot see."""
+    compares the updates), or a tuple of them for a block returning several streams in that order; `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
+    `refuse_more(module)`: a reason to run stock for a module state the check cannot see; `refuse_call(bound)`:
+    one for a call's arguments (e.g. another node's hook the pack's forward cannot run between its groups)."""
     stock = stock_forward(module)
     ours = ours_factory(module, config)
     checked = ours_factory(module, config._replace(split_floor=0))
 
     def refuse(args, kwargs):
-        if bind_args(names, args, kwargs) is None:
+        bound = bind_args(names, args, kwargs)
+        if bound is None:
             return unknown_args(names, args, kwargs)
+        if refuse_call is not None:
+            reason = refuse_call(bound)
+            if reason is not None:
+                return reason
         return refuse_more(module) if refuse_more is not None else None
 
     def check(args, kwargs):
@@ -253,7 +260,10 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
         if known:   # every call after the first of its kind: no check inputs are made
             return reason
         inputs = check_inputs(bound)
-        base = inputs[residual].clone() if residual is not None else None
+        if isinstance(residual, tuple):   # a block with several residual streams returns them in this order
+            base = tuple(inputs[name].clone() for name in residual)
+        else:
+            base = inputs[residual].clone() if residual is not None else None
         return self_check(call_signature, functions(), lambda: stock(**fresh_inputs(inputs)),
                           lambda: checked(**fresh_inputs(inputs)), base=base,
                           quantized=bool(quantized and quantized()))

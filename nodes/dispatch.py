@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
+
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import backend_names, head_split, pay_attention
@@ -62,21 +64,40 @@ def comfy_attend(q, k, v, transformer_options, **dispatch_kwargs):
     return out.unflatten(-1, (heads, -1))
 
 
-def attention_kwargs(config, transformer_options, module=None) -> dict:
+def group_mask(mask: Optional[torch.Tensor], group, heads: int) -> Optional[torch.Tensor]:
+    """`mask` (2-, 3- or 4-D, as ComfyUI's attention takes it) for one head group: 4-D, its heads sliced
+    when it has one per head."""
+    if mask is None:
+        return None
+    mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
+    mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
+    if mask.shape[1] == heads and heads > 1:
+        mask = mask[:, group.q.start:group.q.stop]
+    return mask
+
+
+def attention_kwargs(config, transformer_options, module=None, mask: Optional[torch.Tensor] = None) -> dict:
     """Keyword options for a `qkv_core` call: `attention_fn` for ComfyUI's dispatcher, else the backend, and
     the split floor of `config`. `module`: the model's attention module, whose per-layer attention choice
-    (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would pass it."""
+    (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would pass it. `mask`: the
+    attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the dispatcher."""
     floor = {} if config.split_floor is None else {"split_floor_tokens": config.split_floor}
     if uses_comfy_dispatch(config, transformer_options):
         preferred = getattr(module, "comfy_attention", None)
         dispatch = {} if preferred is None else {"preferred_attention": preferred}
+        heads = getattr(module, "num_heads", None) or getattr(module, "heads", None) or 0
 
         def through_comfy(qkv, group, **call_kwargs):
             q, k, v = qkv[:3]
             qkv.clear()
+            if mask is not None:
+                call_kwargs["mask"] = group_mask(mask, group, heads)
             return comfy_attend(q, k, v, transformer_options, **dispatch, **call_kwargs)
         through_comfy.comfy_dispatch = True
         return {"attention_fn": through_comfy, **floor}
+    if mask is not None:   # 4-D, as the runtime takes it (it slices the heads per group)
+        mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
+        floor["attention_mask"] = mask.unsqueeze(1) if mask.dim() == 3 else mask
     if "optimized_attention_override" in transformer_options:
         notice_once(f"override:{config.backend}",
                     f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override "

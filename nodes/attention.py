@@ -1,0 +1,196 @@
+"""Attention forwards shared by the family adapters, built from a small description of each family's attention.
+
+A family describes where its q, k and v come from (`StreamProjections`: three Linears, or one fused Linear that
+gives [q, k, v] and maybe more), which norm they get (`NORM_PER_HEAD`: over each head's channels, any head
+group runs the module's own norm; `NORM_SPANS_HEADS`: an RMSNorm over all heads, exact per group through
+per-token statistics) and which RoPE (`ROPE_PAIRS`: adjacent pairs rotated in float32). `attend()` turns that
+into one call of the runtime (`qkv_core.joint_qkv_attention`: the head split, the hand-off of the inputs) and
+returns `(B, N, heads, head_dim)` for the family's own output projection. What is truly a family's own (its
+block: modulation, residuals, MLP) stays in its adapter; the pieces of a bounded block every family shares are
+in `nodes/block_parts.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from ..qkv_core import FusedRows, joint_qkv_attention, rows_
+from .comfy_ops import ComfyLinearRows
+from .dispatch import attention_kwargs
+
+NORM_PER_HEAD = "per_head"
+NORM_SPANS_HEADS = "spans_heads"
+ROPE_PAIRS = "pairs"
+NORM_KINDS = (None, NORM_PER_HEAD, NORM_SPANS_HEADS)
+ROPE_KINDS = (None, ROPE_PAIRS)
+
+
+def attribute(module, path: Optional[str]):
+    """`module.a.b` for path "a.b" (None for None or a missing attribute)."""
+    if path is None:
+        return None
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
+
+
+def _out_features(linear) -> Optional[int]:
+    weight = getattr(linear, "weight", None)
+    if weight is None or weight.dim() != 2:
+        return None
+    return int(weight.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamProjections:
+    """Where one token stream's q, k and v come from inside the attention's module (dotted attribute paths).
+
+    Either three Linears `q`, `k`, `v`, or one `fused` Linear whose output is [q, k, v] along features,
+    followed by `rest` more features (Flux's single block: the MLP's input). `norm_q` / `norm_k`: the
+    modules that normalize this stream's queries and keys (None: none)."""
+
+    q: Optional[str] = None
+    k: Optional[str] = None
+    v: Optional[str] = None
+    fused: Optional[str] = None
+    rest: int = 0
+    norm_q: Optional[str] = None
+    norm_k: Optional[str] = None
+
+    def __post_init__(self):
+        separate = (self.q, self.k, self.v)
+        if self.fused is None and None in separate:
+            raise ValueError(f"{self}: name q, k and v, or one fused Linear")
+        if self.fused is not None and any(name is not None for name in separate):
+            raise ValueError(f"{self}: a fused Linear and separate q/k/v at once; name one of the two")
+
+    def probe(self, module, width: int, kv_width: int) -> Optional[str]:
+        """None when `module` has these layers with these widths (q: `width`, k and v: `kv_width`)."""
+        if self.fused is not None:
+            expected = width + 2 * kv_width + self.rest
+            if _out_features(attribute(module, self.fused)) != expected:
+                return f"{self.fused} is not a Linear with {expected} outputs"
+        else:
+            for name, features in ((self.q, width), (self.k, kv_width), (self.v, kv_width)):
+                if _out_features(attribute(module, name)) != features:
+                    return f"{name} is not a Linear with {features} outputs"
+        for name in (self.norm_q, self.norm_k):
+            if name is not None and attribute(module, name) is None:
+                return f"no {name}"
+        return None
+
+    def projections(self, module, width: int, kv_width: int) -> tuple:
+        """The row projections (q, k, v) of this stream in `module`."""
+        if self.fused is None:
+            return tuple(ComfyLinearRows(attribute(module, name)) for name in (self.q, self.k, self.v))
+        fused = ComfyLinearRows(attribute(module, self.fused))
+        sizes = (width, kv_width, kv_width) + ((self.rest,) if self.rest else ())
+        return tuple(FusedRows(fused, index, sizes=sizes) for index in range(3))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """A family's attention: its streams (joined along tokens in this order), norm kind and RoPE."""
+
+    streams: tuple
+    norm: Optional[str] = None
+    rope: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.streams or not all(isinstance(s, StreamProjections) for s in self.streams):
+            raise ValueError("an AttentionForm needs one or more StreamProjections")
+        if self.norm not in NORM_KINDS:
+            raise ValueError(f"norm must be one of {NORM_KINDS}, not {self.norm!r}")
+        if self.rope not in ROPE_KINDS:
+            raise ValueError(f"rope must be one of {ROPE_KINDS}, not {self.rope!r}")
+        if self.norm == NORM_SPANS_HEADS:
+            raise ValueError("a norm spanning all heads takes the family's own norm_rope (see nodes/wan.py)")
+
+    def probe(self, module, heads: int, head_dim: int, kv_heads: Optional[int] = None) -> Optional[str]:
+        kv_width = (heads if kv_heads is None else kv_heads) * head_dim
+        for stream in self.streams:
+            reason = stream.probe(module, heads * head_dim, kv_width)
+            if reason is not None:
+                return reason
+        return None
+
+
+def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs (ComfyUI's `apply_rope1` math; Flux, Wan, Qwen-Image, Lumina): a chunk
+    `(B, n, h, D)` rotated by `freqs` `(B or 1, n, 1 or h, D/2, 2, 2)` float32; returns float32. A few fused
+    PyTorch ops: one call per chunk costs far less host time than a kernel dispatch per group."""
+    pairs = t.unflatten(-1, (-1, 1, 2))
+    out = freqs[..., 0] * pairs[..., 0]          # float32 by type promotion
+    out.addcmul_(freqs[..., 1], pairs[..., 1])
+    return out.flatten(-2)
+
+
+class PerHeadNormRope:
+    """`norm_rope(query, key, group)` for norms over each head's channels: each stream's own norm on its token
+    range (the module's norm, as the model runs it, rounded to the tensor's dtype), then RoPE on adjacent
+    pairs in float32, all in place by bounded token chunks. `freqs`: `(B or 1, N, 1, D/2, 2, 2)` over the
+    joined tokens, or None. `ranges`: (start, stop, norm_q, norm_k) per stream."""
+
+    def __init__(self, ranges: Sequence[tuple], freqs: Optional[torch.Tensor]):
+        self.ranges, self.freqs = list(ranges), freqs
+
+    def _apply_(self, t: torch.Tensor, which: int) -> None:
+        freqs = self.freqs
+        for start, stop, *norms in self.ranges:
+            norm = norms[which]
+            if norm is None and freqs is None:
+                continue
+
+            def chunk(part, a, b, norm=norm):
+                out = part if norm is None else norm(part).to(part.dtype)   # over head_dim: any group
+                return out if freqs is None else rope_rows(out, freqs[:, a:b])
+            rows_(t, chunk, start, stop)
+
+    def __call__(self, query, key, group) -> None:
+        if query is not None:
+            self._apply_(query, 0)
+        if key is not None:
+            self._apply_(key, 1)
+
+
+def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Pair-RoPE frequencies in the heads-first layout `(B, 1, N, D/2, 2, 2)` (Flux's `pe`) as the runtime's
+    token layout `(B, N, 1, D/2, 2, 2)`: a view."""
+    return None if freqs is None else freqs.transpose(1, 2)
+
+
+def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, head_dim: int, config,
+           transformer_options: dict, freqs: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+           kv_heads: Optional[int] = None, stream_modules: Optional[Sequence] = None) -> torch.Tensor:
+    """The attention `form` describes, of `module`: `x_lists` holds one `[x]` per stream (each cleared: the
+    runtime holds the only reference and frees x once projected), x `(B, n_i, C)`. `freqs`: pair-RoPE
+    frequencies `(B or 1, sum n_i, 1, D/2, 2, 2)`; `mask`: additive or boolean `(B or 1, heads or 1, N, N)`
+    (or 2-/3-D, broadcast as ComfyUI does). `stream_modules`: the module each stream's names are looked up
+    in (default: `module` for all). Returns `(B, sum n_i, heads, head_dim)`."""
+    if len(x_lists) != len(form.streams):
+        raise ValueError(f"{len(form.streams)} streams described, {len(x_lists)} given")
+    modules = list(stream_modules) if stream_modules is not None else [module] * len(x_lists)
+    width, kv_width = heads * head_dim, (heads if kv_heads is None else kv_heads) * head_dim
+    streams, ranges, start = [], [], 0
+    for stream, x_list, owner in zip(form.streams, x_lists, modules):
+        tokens = x_list[0].shape[-2]
+        streams.append((x_list, stream.projections(owner, width, kv_width)))
+        ranges.append((start, start + tokens, attribute(owner, stream.norm_q), attribute(owner, stream.norm_k)))
+        start += tokens
+    norm_rope = None
+    if form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
+        if form.norm is None:
+            ranges = [(a, b, None, None) for a, b, _, _ in ranges]
+        norm_rope = PerHeadNormRope(ranges, freqs if form.rope == ROPE_PAIRS else None)
+    options = attention_kwargs(config, transformer_options, module, mask=mask)
+    if kv_heads is not None and kv_heads != heads:
+        options["kv_heads"] = kv_heads
+    return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
+
+
+__all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "StreamProjections", "AttentionForm", "attend",
+           "rope_rows", "PerHeadNormRope", "token_freqs", "attribute"]

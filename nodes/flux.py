@@ -1,0 +1,413 @@
+"""Flux-layout adapter (`comfy/ldm/flux/layers.py`'s `DoubleStreamBlock` and `SingleStreamBlock`): Flux 1 and 2
+(Kontext, Krea, Flux.2 klein / dev), Chroma and Chroma Radiance, HunyuanVideo 1.0 and HunyuanImage 2.1 build
+their transformers from these two blocks.
+
+Their attention lives inside the block (no attention module with a forward of its own), so the blocks are what
+is patched: the double block's joint [txt, img] attention from each stream's fused `qkv`, the single block's
+from the q/k/v rows of its fused `linear1` ([q, k, v, mlp]); per-head RMSNorm (`QKNorm`) and pair RoPE in
+float32, through `nodes/attention.py`. With block bounds on, the modulated inputs are handed off, the output
+projections and MLPs run by token chunks into the residual in place, and the single block's MLP half of
+`linear1` is computed per chunk from the block's input (its modulated input is not kept through attention).
+Block bounds off: the rest of the block runs as ComfyUI writes it.
+
+Guarded and self-checked like every forward of the pack (`compat.guard_module`). A call with another node's
+`attn1_patch` / `attn1_output_patch` runs ComfyUI's block (they see whole q/k/v, which the head split never
+holds).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import comfy.ldm.flux.layers as flux_layers
+
+from . import compat
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
+from .block_parts import mlp_residual_, projection_residual_
+from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module
+
+FAMILY = "Flux"
+# Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
+# so a run never plans for less than it uses).
+MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+
+DOUBLE = AttentionForm(streams=(
+    StreamProjections(fused="txt_attn.qkv", norm_q="txt_attn.norm.query_norm", norm_k="txt_attn.norm.key_norm"),
+    StreamProjections(fused="img_attn.qkv", norm_q="img_attn.norm.query_norm", norm_k="img_attn.norm.key_norm"),
+), norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
+
+
+def single_form(block) -> AttentionForm:
+    return AttentionForm(streams=(StreamProjections(fused="linear1", rest=block.mlp_hidden_dim_first,
+                                                    norm_q="norm.query_norm", norm_k="norm.key_norm"),),
+                         norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
+
+
+HOOKS_RUN_INSIDE = ("attn1_patch", "attn1_output_patch")   # hooks the stock blocks call on whole q/k/v
+
+
+# --- probes -------------------------------------------------------------------------------------------------
+def _heads(block) -> tuple[int, int]:
+    width = block.hidden_size
+    return block.num_heads, width // block.num_heads
+
+
+def _mlp_ok(mlp) -> Optional[str]:
+    if isinstance(mlp, torch.nn.Sequential) and len(mlp) == 3:
+        return None
+    if type(mlp).__name__ == "YakMLP":
+        return None
+    return "its MLP is neither Linear, activation, Linear nor YakMLP"
+
+
+def probe_double(block) -> Optional[str]:
+    """None when a `DoubleStreamBlock` has the structure the pack's forward uses."""
+    if not isinstance(getattr(block, "num_heads", None), int) or not isinstance(getattr(block, "hidden_size", None), int):
+        return "no num_heads/hidden_size"
+    heads, head_dim = _heads(block)
+    if heads * head_dim != block.hidden_size:
+        return "hidden_size is not a multiple of num_heads"
+    reason = DOUBLE.probe(block, heads, head_dim)
+    if reason:
+        return reason
+    for name in ("img_norm1", "txt_norm1", "img_norm2", "txt_norm2", "img_attn.proj", "txt_attn.proj"):
+        if compat_attr(block, name) is None:
+            return f"no {name}"
+    return _mlp_ok(block.img_mlp) or _mlp_ok(block.txt_mlp)
+
+
+def probe_single(block) -> Optional[str]:
+    """None when a `SingleStreamBlock` has the structure the pack's forward uses."""
+    for name in ("num_heads", "hidden_size", "mlp_hidden_dim", "mlp_hidden_dim_first"):
+        if not isinstance(getattr(block, name, None), int):
+            return f"no {name}"
+    heads, head_dim = _heads(block)
+    if heads * head_dim != block.hidden_size:
+        return "hidden_size is not a multiple of num_heads"
+    reason = single_form(block).probe(block, heads, head_dim)
+    if reason:
+        return reason
+    linear2 = getattr(getattr(block, "linear2", None), "weight", None)
+    if linear2 is None or tuple(linear2.shape) != (block.hidden_size, block.hidden_size + block.mlp_hidden_dim):
+        return "linear2 is not [attention, mlp] -> hidden"
+    if getattr(block, "pre_norm", None) is None or not hasattr(block, "mlp_act"):
+        return "no pre_norm/mlp_act"
+    return None
+
+
+def compat_attr(module, path: str):
+    for name in path.split("."):
+        module = getattr(module, name, None)
+    return module
+
+
+# --- modulation by token chunks -------------------------------------------------------------------------------
+def _chunk_dims(dims, a: int, b: int):
+    """`modulation_dims` ((start, stop, index) token ranges) as seen from the chunk [a, b)."""
+    if dims is None:
+        return None
+    out = []
+    for start, stop, index in dims:
+        lo, hi = max(start, a), min(stop, b)
+        if lo < hi:
+            out.append((lo - a, hi - a, index))
+    return out
+
+
+def _modulate(t: torch.Tensor, mult, add, dims, a: int, b: int) -> torch.Tensor:
+    """ComfyUI's `apply_mod` on the chunk [a, b) of a stream (per-range modulation as the model applies it)."""
+    return flux_layers.apply_mod(t, mult, add, _chunk_dims(dims, a, b))
+
+
+def modulated_input(norm, x: torch.Tensor, mod, dims) -> torch.Tensor:
+    """`apply_mod(norm(x), 1 + mod.scale, mod.shift, dims)` in a fresh tensor, made by token chunks (the
+    norm's and the modulation's transients are a chunk each)."""
+    out = torch.empty_like(x)
+    step = chunk_tokens(x.shape[1], x[:, :1].numel(), max(1, x.numel() // 8))
+    scale = 1 + mod.scale
+    for a, b in token_ranges(x.shape[1], step):
+        out[:, a:b] = _modulate(norm(x[:, a:b]), scale, mod.shift, dims, a, b)
+    return out
+
+
+def _gated_add(gate, dims):
+    def add_(part, out, a, b):
+        part += _modulate(out, gate, None, dims, a, b)
+    return add_
+
+
+def _finite_fp16(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float16:   # as the stock blocks do
+        return torch.nan_to_num(t, nan=0.0, posinf=65504, neginf=-65504)
+    return t
+
+
+# --- the double block -------------------------------------------------------------------------------------------
+DOUBLE_ARGS = ("img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "modulation_dims_txt",
+               "transformer_options")
+
+
+def run_double_block(block, config, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,
+                     modulation_dims_txt=None, transformer_options={}):
+    if block.modulation:
+        img_mod1, img_mod2 = block.img_mod(vec)
+        txt_mod1, txt_mod2 = block.txt_mod(vec)
+    else:
+        (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
+    heads, head_dim = _heads(block)
+    txt_tokens = txt.shape[1]
+    streams = [[modulated_input(block.txt_norm1, txt, txt_mod1, modulation_dims_txt)],
+               [modulated_input(block.img_norm1, img, img_mod1, modulation_dims_img)]]
+    attention = attend(block, DOUBLE, streams, heads, head_dim, config, transformer_options,
+                       freqs=token_freqs(pe), mask=attn_mask).flatten(2)
+    txt_attention, img_attention = attention[:, :txt_tokens], attention[:, txt_tokens:]
+    if config.block:
+        projection_residual_(img, block.img_attn.proj, img_attention, _gated_add(img_mod1.gate, modulation_dims_img))
+        projection_residual_(txt, block.txt_attn.proj, txt_attention, _gated_add(txt_mod1.gate, modulation_dims_txt))
+        del attention, txt_attention, img_attention
+        for x, norm, mlp, mod, dims in ((img, block.img_norm2, block.img_mlp, img_mod2, modulation_dims_img),
+                                        (txt, block.txt_norm2, block.txt_mlp, txt_mod2, modulation_dims_txt)):
+            scale = 1 + mod.scale
+            mlp_residual_(x, mlp, lambda a, b, x=x, norm=norm, scale=scale, mod=mod, dims=dims:
+                          _modulate(norm(x[:, a:b]), scale, mod.shift, dims, a, b), _gated_add(mod.gate, dims))
+    else:   # the rest as ComfyUI's block computes it
+        apply_mod = flux_layers.apply_mod
+        img += apply_mod(block.img_attn.proj(img_attention), img_mod1.gate, None, modulation_dims_img)
+        del img_attention
+        img += apply_mod(block.img_mlp(apply_mod(block.img_norm2(img), (1 + img_mod2.scale), img_mod2.shift,
+                                                 modulation_dims_img)), img_mod2.gate, None, modulation_dims_img)
+        txt += apply_mod(block.txt_attn.proj(txt_attention), txt_mod1.gate, None, modulation_dims_txt)
+        del txt_attention, attention
+        txt += apply_mod(block.txt_mlp(apply_mod(block.txt_norm2(txt), (1 + txt_mod2.scale), txt_mod2.shift,
+                                                 modulation_dims_txt)), txt_mod2.gate, None, modulation_dims_txt)
+    return img, _finite_fp16(txt)
+
+
+# --- the single block -------------------------------------------------------------------------------------------
+SINGLE_ARGS = ("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_options")
+
+
+def _mlp_activation(block, hidden: torch.Tensor) -> torch.Tensor:
+    if block.yak_mlp:
+        half = block.mlp_hidden_dim_first // 2
+        return block.mlp_act(hidden[..., half:]) * hidden[..., :half]
+    return block.mlp_act(hidden)
+
+
+def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=None, transformer_options={}):
+    mod = block.modulation(vec)[0] if block.modulation else vec
+    heads, head_dim = _heads(block)
+    width = block.hidden_size
+    mlp_rows = (3 * width, 3 * width + block.mlp_hidden_dim_first)
+    modulated = modulated_input(block.pre_norm, x, mod, modulation_dims)
+    linear1 = ComfyLinearRows(block.linear1)
+    if not config.block:   # the MLP half as ComfyUI computes it: whole, from the kept modulated input
+        prepared = linear1.prepare(modulated)
+        try:
+            mlp = _mlp_activation(block, prepared.rows(*mlp_rows))
+        finally:
+            prepared.release()
+        attention = attend(block, single_form(block), [[modulated]], heads, head_dim, config, transformer_options,
+                           freqs=token_freqs(pe), mask=attn_mask)
+        del modulated
+        x += flux_layers.apply_mod(block.linear2(torch.cat((attention.flatten(2), mlp), 2)), mod.gate, None,
+                                   modulation_dims)
+        return _finite_fp16(x)
+    handed_off = [modulated]
+    del modulated
+    attention = attend(block, single_form(block), [handed_off], heads, head_dim, config, transformer_options,
+                       freqs=token_freqs(pe), mask=attn_mask).flatten(2)
+    # by token chunks: the MLP half of linear1 from the chunk's own modulated input, then linear2 over
+    # [attention, mlp] of the chunk, added into x
+    batch, tokens, _ = x.shape
+    step = chunk_tokens(tokens, batch * (width + block.mlp_hidden_dim_first), max(1, x.numel() // 2))
+    scale = 1 + mod.scale
+    linear1.hold(x)
+    linear2 = CastLinear(block.linear2, x)
+    try:
+        for a, b in token_ranges(tokens, step):
+            prepared = linear1.prepare(_modulate(block.pre_norm(x[:, a:b]), scale, mod.shift, modulation_dims, a, b))
+            try:
+                mlp = _mlp_activation(block, prepared.rows(*mlp_rows))
+            finally:
+                prepared.release()
+            joined = torch.cat((attention[:, a:b], mlp), 2)
+            del mlp
+            out = linear2(joined)
+            del joined
+            x[:, a:b] += _modulate(out, mod.gate, None, modulation_dims, a, b)
+            del out
+    finally:
+        linear1.release_hold()
+        linear2.release()
+    return _finite_fp16(x)
+
+
+# --- guards ---------------------------------------------------------------------------------------------------
+def _stock_functions(block) -> tuple:
+    return (type(block).forward,)
+
+
+def _hooks(options) -> frozenset:
+    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
+
+
+def _refuse_call(bound) -> Optional[str]:
+    inside = sorted(_hooks(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
+    if inside:
+        return f"another node's {', '.join(inside)} hook needs whole q/k/v"
+    return None
+
+
+def _signature(kind: str, block, config, bound: dict) -> tuple:
+    options = bound.get("transformer_options") or {}
+    mask = bound.get("attn_mask")
+    dims = tuple(name for name in ("modulation_dims", "modulation_dims_img", "modulation_dims_txt")
+                 if bound.get(name) is not None)
+    x = bound["img"] if "img" in bound else bound["x"]
+    return (kind, _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
+            _hooks(options), "optimized_attention_override" in options, bound.get("pe") is None,
+            None if mask is None else (mask.dim(), mask.dtype), dims, torch.is_tensor(bound.get("vec")))
+
+
+def _slice_mask(mask, keep: torch.Tensor):
+    """`mask` restricted to the tokens `keep` (indices into the joined sequence), on its query and key dims
+    where they span the sequence."""
+    if mask is None:
+        return None
+    out = mask
+    for dim in (-1, -2):
+        if out.dim() >= -dim and out.shape[dim] > 1:
+            out = out.index_select(dim, keep.to(out.device))
+    return out.clone()
+
+
+def _clip_dims(dims, n: int):
+    return None if dims is None else _chunk_dims(dims, 0, n)
+
+
+def _check_double(bound: dict) -> dict:
+    """The call's first tokens of each stream (all batch items), with their RoPE rows and mask entries."""
+    img, txt = bound["img"], bound["txt"]
+    n_img, n_txt = compat.check_tokens(img.shape[1]), min(txt.shape[1], compat.CHECK_TOKENS // 4)
+    keep = torch.cat((torch.arange(n_txt), txt.shape[1] + torch.arange(n_img)))
+    pe = bound.get("pe")
+    out = dict(bound)
+    out.update(img=img[:, :n_img].clone(), txt=txt[:, :n_txt].clone(),
+               pe=None if pe is None else pe.index_select(2, keep.to(pe.device)),
+               attn_mask=_slice_mask(bound.get("attn_mask"), keep),
+               modulation_dims_img=_clip_dims(bound.get("modulation_dims_img"), n_img),
+               modulation_dims_txt=_clip_dims(bound.get("modulation_dims_txt"), n_txt),
+               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
+    return out
+
+
+def _check_single(bound: dict) -> dict:
+    x = bound["x"]
+    n = compat.check_tokens(x.shape[1])
+    keep = torch.arange(n)
+    pe = bound.get("pe")
+    out = dict(bound)
+    out.update(x=x[:, :n].clone(), pe=None if pe is None else pe[:, :, :n].clone(),
+               attn_mask=_slice_mask(bound.get("attn_mask"), keep),
+               modulation_dims=_clip_dims(bound.get("modulation_dims"), n),
+               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
+    return out
+
+
+def _guard(kind, what, block, names, run, check_inputs, residual, config):
+    def ours_factory(module, config):
+        def forward(*args, **kwargs):
+            return run(module, config, **compat.bind_args(names, args, kwargs))
+        return forward
+    return compat.guard_module(
+        what, block, names, ours_factory, config, functions=lambda: _stock_functions(block),
+        signature=lambda bound: _signature(kind, block, config, bound), check_inputs=check_inputs,
+        residual=residual, quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call,
+        refuse_more=foreign_part)
+
+
+def foreign_part(block) -> Optional[str]:
+    """Another node's forward or hook on a part the pack's block computes itself (it then runs ComfyUI's)."""
+    for name, part in block.named_children():
+        for module in part.modules():
+            if compat.foreign_forward(module):
+                return f"another node patched its {name}"
+            if module._forward_hooks or module._forward_pre_hooks:
+                return f"another node hooks its {name}"
+    return None
+
+
+def double_block_forward(block, config):
+    """The guarded forward installed on a `DoubleStreamBlock`."""
+    return _guard("double", f"{FAMILY} double block", block, DOUBLE_ARGS, run_double_block, _check_double,
+                  ("img", "txt"), config)
+
+
+def single_block_forward(block, config):
+    """The guarded forward installed on a `SingleStreamBlock`."""
+    return _guard("single", f"{FAMILY} single block", block, SINGLE_ARGS, run_single_block, _check_single,
+                  "x", config)
+
+
+# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
+def _blocks(model):
+    for list_name, cls in (("double_blocks", flux_layers.DoubleStreamBlock),
+                           ("single_blocks", flux_layers.SingleStreamBlock)):
+        blocks = getattr(model, list_name, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            for index, block in enumerate(blocks):
+                if isinstance(block, cls):
+                    yield f"diffusion_model.{list_name}.{index}", list_name, block
+
+
+def matches(diffusion_model) -> bool:
+    """A model built from Flux's double/single stream blocks (Flux, Chroma, HunyuanVideo, ...)."""
+    return next(_blocks(diffusion_model), None) is not None
+
+
+def patch(patcher, config, report) -> None:
+    """Object patches on `patcher` (a clone) for every block that probes clean."""
+    model = patcher.model.diffusion_model
+    for path, list_name, block in _blocks(model):
+        if list_name == "double_blocks":
+            factory, probe, what = double_block_forward, probe_double, "double block"
+        else:
+            factory, probe, what = single_block_forward, probe_single, "single block"
+        patch_module(patcher, report, FAMILY, path, what,
+                     lambda block=block, factory=factory: factory(block, config),
+                     lambda block=block, probe=probe: probe(block))
+
+
+def stock_functions(diffusion_model) -> set:
+    return {type(block).forward for _, _, block in _blocks(diffusion_model)}
+
+
+def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
+    """Image (or video) tokens of one batch item for a latent `(B, C, H, W)` or `(B, C, T, H, W)` (the text
+    tokens come on top; not known here)."""
+    if latent_shape is None or len(latent_shape) not in (4, 5):
+        return None
+    patch_size = getattr(diffusion_model, "patch_size", 2)
+    sizes = list(patch_size) if isinstance(patch_size, (list, tuple)) else [patch_size] * 2
+    dims = list(latent_shape[2:])
+    sizes = ([1] * (len(dims) - len(sizes)) + sizes)[-len(dims):]
+    count = 1
+    for size, step in zip(dims, sizes):
+        count *= -(-int(size) // int(step))
+    return count
+
+
+def kv_heads(diffusion_model) -> Optional[int]:
+    heads = getattr(diffusion_model, "num_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
+def splits_projections(diffusion_model) -> Optional[str]:
+    for _, _, block in _blocks(diffusion_model):
+        linear = block.img_attn.qkv if hasattr(block, "img_attn") else block.linear1
+        reason = not_row_sliceable(linear)
+        return None if reason is None else f"qkv: {reason}"
+    return "no blocks"
