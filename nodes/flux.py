@@ -39,8 +39,21 @@ DOUBLE = AttentionForm(streams=(
 ), norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
 
 
+DOUBLE_FLIPPED = AttentionForm(streams=DOUBLE.streams[::-1], norm=NORM_PER_HEAD, rope=ROPE_PAIRS)  # [img, txt]
+
+
+def _double_form(block) -> AttentionForm:
+    """[txt, img]; older ComfyUI (v0.8 and before) also builds [img, txt] blocks (`flipped_img_txt`)."""
+    return DOUBLE_FLIPPED if getattr(block, "flipped_img_txt", False) else DOUBLE
+
+
+def _mlp_first(block) -> int:
+    """Features of the MLP half of `linear1` (older ComfyUI has only `mlp_hidden_dim`)."""
+    return getattr(block, "mlp_hidden_dim_first", block.mlp_hidden_dim)
+
+
 def single_form(block) -> AttentionForm:
-    return AttentionForm(streams=(StreamProjections(fused="linear1", rest=block.mlp_hidden_dim_first,
+    return AttentionForm(streams=(StreamProjections(fused="linear1", rest=_mlp_first(block),
                                                     norm_q="norm.query_norm", norm_k="norm.key_norm"),),
                          norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
 
@@ -69,7 +82,7 @@ def probe_double(block) -> Optional[str]:
     heads, head_dim = _heads(block)
     if heads * head_dim != block.hidden_size:
         return "hidden_size is not a multiple of num_heads"
-    reason = DOUBLE.probe(block, heads, head_dim)
+    reason = _double_form(block).probe(block, heads, head_dim)
     if reason:
         return reason
     for name in ("img_norm1", "txt_norm1", "img_norm2", "txt_norm2", "img_attn.proj", "txt_attn.proj"):
@@ -80,7 +93,7 @@ def probe_double(block) -> Optional[str]:
 
 def probe_single(block) -> Optional[str]:
     """None when a `SingleStreamBlock` has the structure the pack's forward uses."""
-    for name in ("num_heads", "hidden_size", "mlp_hidden_dim", "mlp_hidden_dim_first"):
+    for name in ("num_heads", "hidden_size", "mlp_hidden_dim"):
         if not isinstance(getattr(block, name, None), int):
             return f"no {name}"
     heads, head_dim = _heads(block)
@@ -151,18 +164,23 @@ DOUBLE_ARGS = ("img", "txt", "vec", "pe", "attn_mask", "modulation_dims_img", "m
 
 def run_double_block(block, config, img, txt, vec, pe, attn_mask=None, modulation_dims_img=None,
                      modulation_dims_txt=None, transformer_options={}):
-    if block.modulation:
+    if getattr(block, "modulation", True):   # False: the model modulates all blocks at once (Flux 2, Chroma)
         img_mod1, img_mod2 = block.img_mod(vec)
         txt_mod1, txt_mod2 = block.txt_mod(vec)
     else:
         (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
     heads, head_dim = _heads(block)
-    txt_tokens = txt.shape[1]
+    form = _double_form(block)
     streams = [[modulated_input(block.txt_norm1, txt, txt_mod1, modulation_dims_txt)],
                [modulated_input(block.img_norm1, img, img_mod1, modulation_dims_img)]]
-    attention = attend(block, DOUBLE, streams, heads, head_dim, config, transformer_options,
+    if form is DOUBLE_FLIPPED:
+        streams.reverse()
+    attention = attend(block, form, streams, heads, head_dim, config, transformer_options,
                        freqs=token_freqs(pe), mask=attn_mask).flatten(2)
-    txt_attention, img_attention = attention[:, :txt_tokens], attention[:, txt_tokens:]
+    if form is DOUBLE_FLIPPED:
+        img_attention, txt_attention = attention[:, :img.shape[1]], attention[:, img.shape[1]:]
+    else:
+        txt_attention, img_attention = attention[:, :txt.shape[1]], attention[:, txt.shape[1]:]
     if config.block:
         projection_residual_(img, block.img_attn.proj, img_attention, _gated_add(img_mod1.gate, modulation_dims_img))
         projection_residual_(txt, block.txt_attn.proj, txt_attention, _gated_add(txt_mod1.gate, modulation_dims_txt))
@@ -190,8 +208,8 @@ SINGLE_ARGS = ("x", "vec", "pe", "attn_mask", "modulation_dims", "transformer_op
 
 
 def _mlp_activation(block, hidden: torch.Tensor) -> torch.Tensor:
-    if block.yak_mlp:
-        half = block.mlp_hidden_dim_first // 2
+    if getattr(block, "yak_mlp", False):
+        half = _mlp_first(block) // 2
         return block.mlp_act(hidden[..., half:]) * hidden[..., :half]
     return block.mlp_act(hidden)
 
@@ -200,7 +218,7 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     mod = block.modulation(vec)[0] if block.modulation else vec
     heads, head_dim = _heads(block)
     width = block.hidden_size
-    mlp_rows = (3 * width, 3 * width + block.mlp_hidden_dim_first)
+    mlp_rows = (3 * width, 3 * width + _mlp_first(block))
     modulated = modulated_input(block.pre_norm, x, mod, modulation_dims)
     linear1 = ComfyLinearRows(block.linear1)
     if not config.block:   # the MLP half as ComfyUI computes it: whole, from the kept modulated input
@@ -222,7 +240,7 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     # by token chunks: the MLP half of linear1 from the chunk's own modulated input, then linear2 over
     # [attention, mlp] of the chunk, added into x
     batch, tokens, _ = x.shape
-    step = chunk_tokens(tokens, batch * (width + block.mlp_hidden_dim_first), max(1, x.numel() // 2))
+    step = chunk_tokens(tokens, batch * (width + _mlp_first(block)), max(1, x.numel() // 2))
     scale = 1 + mod.scale
     linear1.hold(x)
     linear2 = CastLinear(block.linear2, x)
@@ -288,11 +306,14 @@ def _clip_dims(dims, n: int):
     return None if dims is None else _chunk_dims(dims, 0, n)
 
 
-def _check_double(bound: dict) -> dict:
+def _check_double(block, bound: dict) -> dict:
     """The call's first tokens of each stream (all batch items), with their RoPE rows and mask entries."""
     img, txt = bound["img"], bound["txt"]
     n_img, n_txt = compat.check_tokens(img.shape[1]), min(txt.shape[1], compat.CHECK_TOKENS // 4)
-    keep = torch.cat((torch.arange(n_txt), txt.shape[1] + torch.arange(n_img)))
+    if _double_form(block) is DOUBLE_FLIPPED:
+        keep = torch.cat((torch.arange(n_img), img.shape[1] + torch.arange(n_txt)))
+    else:
+        keep = torch.cat((torch.arange(n_txt), txt.shape[1] + torch.arange(n_img)))
     pe = bound.get("pe")
     out = dict(bound)
     out.update(img=img[:, :n_img].clone(), txt=txt[:, :n_txt].clone(),
@@ -304,7 +325,7 @@ def _check_double(bound: dict) -> dict:
     return out
 
 
-def _check_single(bound: dict) -> dict:
+def _check_single(block, bound: dict) -> dict:
     x = bound["x"]
     n = compat.check_tokens(x.shape[1])
     keep = torch.arange(n)
@@ -324,7 +345,8 @@ def _guard(kind, what, block, names, run, check_inputs, residual, config):
         return forward
     return compat.guard_module(
         what, block, names, ours_factory, config, functions=lambda: _stock_functions(block),
-        signature=lambda bound: _signature(kind, block, config, bound), check_inputs=check_inputs,
+        signature=lambda bound: _signature(kind, block, config, bound),
+        check_inputs=lambda bound: check_inputs(block, bound),
         residual=residual, quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call,
         refuse_more=foreign_part)
 
