@@ -449,8 +449,8 @@ def linear_layers(patcher, quantized=True):
 
 
 def under_memory_tracker():
-    """ComfyUI-GGUF's layers made to run under the CPU's `MemTracker` for the duration (the pack's benchmark
+    """ComfyUI-GGUF's layers made to run under the CPU's `MemTracker` for the duration (the benchmark's
     helper `gguf_under_memory_tracker`: measurement only, nothing computed changes)."""
     pack = comfy_env.load_pack()
-    bench_wan = importlib.import_module(pack.__name__ + ".nodes.bench_wan")
-    return bench_wan.gguf_under_memory_tracker(pack_module("ops"))
+    wan_block = importlib.import_module(pack.__name__ + ".benchmarks.wan_block")
+    return wan_block.gguf_under_memory_tracker(pack_module("ops"))

@@ -1,4 +1,4 @@
-"""The whole-model benchmark (`nodes/bench_wan_model.py`) and the block benchmark's GGUF weights, on CPU: the
+"""The whole-model benchmark (`benchmarks/wan_model.py`) and the block benchmark's GGUF weights, on CPU: the
 frame search's logic, Q8_0 blocks as the `gguf` package writes them, and one tiny sampling run through
 ComfyUI's model management, stock and patched. The numbers it exists for need CUDA (docs/benchmarks.md)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.comfyui
 def bench():
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
-    return importlib.import_module(pack.__name__ + ".nodes.bench_wan_model")
+    return importlib.import_module(pack.__name__ + ".benchmarks.wan_model")
 
 
 @pytest.mark.parametrize("limit,first,expected,probed", [
@@ -40,7 +40,7 @@ def test_frame_search(bench, limit, first, expected, probed):
 def test_q8_0_blocks_are_those_of_the_gguf_package(bench):
     gguf = pytest.importorskip("gguf")
     import torch
-    from_package = importlib.import_module(bench.__name__.rsplit(".", 1)[0] + ".bench_wan")
+    from_package = importlib.import_module(bench.__name__.rsplit(".", 1)[0] + ".wan_block")
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     weight[3, :32] = 0.0                          # an all-zero block: scale 0, values 0
     ours = from_package.quantize_q8_0(weight).numpy()

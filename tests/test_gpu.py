@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from qkv_core.memory import measure_peak
+from benchmarks.memory import measure_peak
 from reference import RopeTable, WanNorm, make_qkv, randn
 
 pytestmark = [pytest.mark.gpu,

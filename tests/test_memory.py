@@ -3,7 +3,7 @@
 Wan-like width: 8 heads x 128, 16384 tokens, batch 1, a spanning RMSNorm (all heads) + RoPE applied through
 `rows_`. The working set is the most memory the call holds at once above what is live before it (the input
 x, which the caller keeps here, the weights, the norm weights and the RoPE table), its result included.
-Measured with `qkv_core.memory.PeakMemory` (MemTracker counts the storages op results create; see there).
+Measured with `benchmarks.memory.PeakMemory` (MemTracker counts the storages op results create; see there).
 
 Expected at High (8 groups of one head): the result (1 activation), q/k/v of one group (3/8) and the norm's
 float32 scratch for one group's tensor while at most two of q/k/v exist: about 1.63 activations.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from qkv_core.memory import PeakMemory, check_cpu_tracker
+from benchmarks.memory import PeakMemory, check_cpu_tracker
 from reference import RopeTable, WanNorm, make_qkv, randn
 
 H, D, N = 8, 128, 16384

@@ -41,7 +41,7 @@ def env():
     for name, module in list(sys.modules.items()):   # submodules imported before init bound lib = None
         if name.startswith("comfy_aimdo.") and getattr(module, "lib", control.lib) is None:
             module.lib = control.lib
-    from qkv_core import bench
+    from benchmarks import bench
     try:
         bench.load_comfyui_workload(str(root), torch.device("cuda"))
     except (ImportError, SystemExit) as e:

@@ -19,12 +19,12 @@ WIDTH, HEADS, FFN, TOKENS, GRID = 512, 16, 1536, 16384, (4, 64, 64)
 
 @pytest.fixture(scope="module")
 def env():
-    """The adapter loaded the way the benchmark loads it (`qkv_core.bench.load_comfyui_workload`): no
+    """The adapter loaded the way the benchmark loads it (`benchmarks.bench.load_comfyui_workload`): no
     `comfy.sample` (torchsde) and no `comfy_api` (pydantic, av) needed, so a bare GPU machine runs it."""
     root = comfy_env.find_comfyui()
     if root is None:
         pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
-    from qkv_core import bench
+    from benchmarks import bench
     try:
         bench.load_comfyui_workload(str(root), torch.device("cuda"))
     except (ImportError, SystemExit) as e:
@@ -32,21 +32,21 @@ def env():
     import comfy.ldm.wan.model as wan_model
     import comfy.ops
     modules = {name: sys.modules[f"{bench.PACK_PACKAGE}.{name}"]
-               for name in ("nodes.bench_wan", "nodes.wan", "nodes.dispatch", "qkv_core.memory")}
-    bench_wan, wan, memory = modules["nodes.bench_wan"], modules["nodes.wan"], modules["qkv_core.memory"]
+               for name in ("benchmarks.wan_block", "nodes.wan", "nodes.dispatch", "benchmarks.memory")}
+    wan_block, wan, memory = modules["benchmarks.wan_block"], modules["nodes.wan"], modules["benchmarks.memory"]
     config = modules["nodes.dispatch"].QKVConfig
 
     def build(dtype):
         settings = {"operations": comfy.ops.disable_weight_init, "device": torch.device("cuda"), "dtype": dtype}
         block = wan_model.WanAttentionBlock("t2v_cross_attn", WIDTH, FFN, HEADS, qk_norm=True,
                                             cross_attn_norm=True, eps=1e-6, operation_settings=settings)
-        bench_wan.fill_random_(block, 0)
+        wan_block.fill_random_(block, 0)
         block = block.eval().requires_grad_(False)
         generator = torch.Generator().manual_seed(1)
         x = torch.randn(1, TOKENS, WIDTH, generator=generator).to("cuda", dtype)
         e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to("cuda", dtype)
         context = torch.randn(1, 64, WIDTH, generator=generator).to("cuda", dtype)
-        freqs = bench_wan.rope_freqs(GRID, TOKENS, torch.device("cuda"), dtype, WIDTH // HEADS)
+        freqs = wan_block.rope_freqs(GRID, TOKENS, torch.device("cuda"), dtype, WIDTH // HEADS)
         return block, x, dict(e=e, freqs=freqs, context=context)
 
     return build, wan, config, memory

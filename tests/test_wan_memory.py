@@ -3,7 +3,7 @@ for each weight format people load: bf16, fp8 stored and cast per call, fp8-scal
 `QuantizedTensor` layers) and GGUF Q8_0 (city96/ComfyUI-GGUF).
 
 |x| is one bf16 activation (tokens x width); peaks are the working set above the live inputs and weights,
-measured with MemTracker through `qkv_core.memory`. Skipped without ComfyUI.
+measured with MemTracker through `benchmarks.memory`. Skipped without ComfyUI.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_bounded_block_peak(fmt):
     pack = comfy_env.load_pack()
     wan = importlib.import_module(pack.__name__ + ".nodes.wan")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
+    memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
     block, inp = format_block(torch, fmt), block_inputs(torch)
     x_bytes = inp["x"].numel() * inp["x"].element_size()
     live = [block, list(inp.values())]

@@ -1,4 +1,5 @@
-"""Measurement helpers: peak working set of a call, and its time (used by the benchmark and tests).
+"""Measurement helpers: peak working set of a call, and its time (used by the benchmark and tests; not part of
+the node pack's runtime: until this change it was `qkv_core/memory.py`). Needs only torch.
 
 Units: bytes for memory, seconds for time.
 

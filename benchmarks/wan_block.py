@@ -1,9 +1,12 @@
-"""Benchmark workload: ComfyUI's own Wan 2.x 14B `WanAttentionBlock` (`python -m qkv_core.bench --comfyui`).
+"""Benchmark workload: ComfyUI's own Wan 2.x 14B `WanAttentionBlock` (`python -m benchmarks.bench --comfyui`).
 
-Not part of the node pack's runtime. `qkv_core/bench.py` loads this file by path inside a package it makes for
-the pack, without running the pack's `__init__.py` or `nodes/__init__.py` (they import `comfy_api`, which needs
-packages a bare benchmark machine lacks), after it has put ComfyUI on `sys.path` and set its flags. It then
-calls `make_workload(bench)` with the running bench module.
+Not part of the node pack's runtime (until this change it was `nodes/bench_wan.py`). It imports ComfyUI and
+the pack's adapter relatively (`from ..nodes import wan`, `from ..qkv_core import ...`, `from .memory import
+...`), so it is imported only as `<pack package>.benchmarks.wan_block`: the runner (`benchmarks/bench.py`,
+`load_pack_module`) makes that package for the pack without running the pack's `__init__.py` or
+`nodes/__init__.py` (they import `comfy_api`, which needs packages a bare benchmark machine lacks), after it
+has put ComfyUI on `sys.path` and set its flags, and then calls `make_workload(bench)` with the running
+runner module. The tests import it through `comfy_env.load_pack()`'s package instead.
 
 The block: `comfy.ldm.wan.model.WanAttentionBlock("t2v_cross_attn", 5120, 13824, 40, qk_norm=True,
 cross_attn_norm=True, eps=1e-6)` with `comfy.ops.disable_weight_init` layers, random bf16 weights. Its inputs
@@ -30,10 +33,10 @@ from comfy.ldm.flux.layers import EmbedND
 
 import time
 
-from . import comfy_ops, compat, wan
-from .dispatch import QKVConfig
+from ..nodes import comfy_ops, compat, wan
+from ..nodes.dispatch import QKVConfig
 from ..qkv_core import LEVEL_NAMES, group_count
-from ..qkv_core.memory import GiB, measure_peak
+from .memory import GiB, measure_peak
 
 WIDTH, HEADS, HEAD_DIM, FFN, TEXT_TOKENS, EPS = 5120, 40, 128, 13824, 512, 1e-6
 CHUNK_MIN_TOKENS = 256   # comfy_ops.chunk_tokens' `minimum`: an absolute token count, scaled on scaled runs
@@ -337,10 +340,10 @@ def make_workload(bench):
             inputs = dict(e=e, freqs=freqs, context=context)
             live = [block, x0, e, freqs, context]
 
-            tracked = contextlib.nullcontext
-            if args.weight_dtype == GGUF_Q8_0 and device.type == "cpu":
-                def tracked():
+            def tracked():   # GGUF layers under the CPU's MemTracker need a measurement-only patch
+                if args.weight_dtype == GGUF_Q8_0 and device.type == "cpu":
                     return gguf_under_memory_tracker(import_gguf_ops(args.gguf_pack))
+                return contextlib.nullcontext()
 
             def stock(xl):
                 with tracked():
@@ -373,11 +376,9 @@ def make_workload(bench):
             if args.levels:
                 cost = self_check_ms(block, x0, inputs, QKVConfig(max(args.levels), args.qkv_backend, True))
                 notes.append(f"self-check of the bounded block (once per process): {cost:.1f} ms")
-            extras = None
-            if not args.no_parts:
-                def extras():
-                    return stock_part_peaks(block, x0, e, freqs, context, device, live)
+            def extras():
+                return stock_part_peaks(block, x0, e, freqs, context, device, live)
             return bench.Prepared(live=live, make_input=lambda: [x0], unit_bytes=x0.numel() * x0.element_size(),
-                                  methods=methods, notes=notes, extras=extras)
+                                  methods=methods, notes=notes, extras=None if args.no_parts else extras)
 
     return ComfyUIWanBlockWorkload()

@@ -1,7 +1,9 @@
 """Benchmark: a whole Wan 2.x 14B sampled through ComfyUI's own model management, planned for a consumer card.
 
-`python -m qkv_core.bench --comfyui PATH --whole-model [options]` (`qkv_core/bench.py` sets ComfyUI up and loads
-this file inside a package made for the pack, as it does for `bench_wan.py`). Not part of the node pack's runtime.
+`python -m benchmarks.bench --comfyui PATH --whole-model [options]` (`benchmarks/bench.py` sets ComfyUI up and
+imports this file as `<pack package>.benchmarks.wan_model`, in the package it makes for the pack, as it does for
+`wan_block.py`; see `load_pack_module` there). Not part of the node pack's runtime (until this change it was
+`nodes/bench_wan_model.py`).
 
 What it does, per weight format (one process, the state dict made once):
 - a Wan 2.1 14B T2V state dict with random weights, in the format a user's file has (bf16; bf16 loaded with
@@ -42,10 +44,10 @@ import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 import comfy.ops
 
-from .bench_wan import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
+from ..nodes.patching import apply_patch
+from ..nodes.report import logger
+from .wan_block import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
                         random_like)
-from .patching import apply_patch
-from .report import logger
 
 GiB = float(1 << 30)
 FORMATS = ("bf16", "fp8_e4m3fn", FP8_SCALED, GGUF_Q8_0)
@@ -255,7 +257,7 @@ def search_frames(fits, first: int, step: int, most: int):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qkv_core.bench --comfyui PATH --whole-model",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench --comfyui PATH --whole-model",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--formats", default="fp8_scaled",
                         help=f"comma-separated, of {', '.join(FORMATS)} (default fp8_scaled); FORMAT:GIB runs "

@@ -1,9 +1,13 @@
 """Benchmark: a Wan 2.x 14B self-attention layer, the way ComfyUI runs it ("stock") against `qkv_core`.
 
-    python -m qkv_core.bench                     # CUDA if present, else a scaled CPU run
-    python -m qkv_core.bench --json              # machine-readable results
-    python -m qkv_core.bench --plot bench-wan.png
-    python -m qkv_core.bench --comfyui [PATH]    # ComfyUI's real Wan 14B block (nodes/bench_wan.py)
+    python -m benchmarks.bench                     # CUDA if present, else a scaled CPU run
+    python -m benchmarks.bench --json              # machine-readable results
+    python -m benchmarks.bench --plot bench-wan.png
+    python -m benchmarks.bench --comfyui [PATH]    # ComfyUI's real Wan 14B block (benchmarks/wan_block.py)
+    python -m benchmarks.bench --comfyui [PATH] --whole-model [options]   # benchmarks/wan_model.py
+
+Run from the repository root (`scripts/bench` does). Until this change the runner was `qkv_core/bench.py`
+(`python -m qkv_core.bench`); the benchmarks are not part of the node pack's runtime.
 
 The layer: width 5120, 40 heads of 128, q/k/v/o Linear with bias, RMSNorm over all 5120 channels of q and of
 k (eps 1e-6, with a weight), RoPE with Wan's 3-axis frequencies (interleaved pairs, axes [44, 42, 42] over
@@ -18,14 +22,15 @@ layer = projections + norm + RoPE + attention + o, input `(1, tokens, 5120)`, ou
 
 Peak = working set above the live input and weights (the result included), also as a multiple of
 |x| = tokens x 5120 x 2 bytes (one bf16 activation). On CUDA: the allocator's peak and CUDA-event times at
-the real token counts. On CPU: `qkv_core.memory` (MemTracker), with the token counts scaled down (see
+the real token counts. On CPU: `benchmarks.memory` (MemTracker), with the token counts scaled down (see
 `--cpu-scale`). The workloads are pluggable: see `Workload` and `WORKLOADS`.
 
 `--comfyui [PATH]`: ComfyUI's own `WanAttentionBlock` (Wan 2.x 14B: self-attention, cross-attention, FFN),
 stock against the pack's Wan adapter (attention forwards only, and the bounded block). ComfyUI is taken from
 PATH, else $COMFYUI_PATH, else the ComfyUI above this repository (custom_nodes/<pack>), else ~/ComfyUI. The
-workload lives in the pack (`nodes/bench_wan.py`) and is loaded by file path, without the pack's `__init__.py`
-files (they import comfy_api); `qkv_core` itself never imports ComfyUI (see `load_comfyui_workload`).
+workload (`benchmarks/wan_block.py`) imports the pack's adapter relatively, so it is imported inside a
+package made for the whole pack, `<PACK_PACKAGE>.benchmarks.wan_block`, without running the pack's
+`__init__.py` files (they import comfy_api); see `load_pack_module`. `qkv_core` itself never imports ComfyUI.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ import torch.nn.functional as F
 import qkv_core
 from qkv_core import head_split as _head_split
 from qkv_core import runtime as _runtime
-from qkv_core.memory import GiB, measure_peak, time_call, check_cpu_tracker
+from benchmarks.memory import GiB, measure_peak, time_call, check_cpu_tracker
 
 # ------------------------------------------------------------------------------------------------------
 # the model: Wan 2.x 14B self-attention
@@ -490,10 +495,12 @@ def plot(results: list, path: str, title: str) -> None:
 # --comfyui: ComfyUI's own Wan block, through the pack's adapter
 # ------------------------------------------------------------------------------------------------------
 
+#: the repository root = the node pack's folder (benchmarks/ sits next to nodes/ and qkv_core/)
 PACK_ROOT = Path(__file__).resolve().parent.parent
 #: the package name the pack is loaded under for the benchmark (never ComfyUI's top-level `nodes`)
 PACK_PACKAGE = "comfyui_qkv_bench"
-COMFYUI_WORKLOAD_FILE = PACK_ROOT / "nodes" / "bench_wan.py"
+#: top-level packages of this process that the pack package shares (same module objects): see `load_pack_module`
+SHARED_PACKAGES = ("qkv_core", "benchmarks")
 
 
 def _is_comfyui_root(path: Path) -> bool:
@@ -508,7 +515,9 @@ def find_comfyui(path: Optional[str] = None) -> Path:
         if not _is_comfyui_root(given):
             raise SystemExit(f"--comfyui: {given} is not a ComfyUI checkout (needs comfy/ and comfyui_version.py)")
         return given
-    candidates = [Path(os.path.abspath(__file__)).parents[2], PACK_ROOT.parent.parent, Path.home() / "ComfyUI"]
+    # custom_nodes/<pack>/benchmarks/bench.py -> ComfyUI, as given (a symlinked pack) and resolved
+    given_root = Path(os.path.abspath(__file__)).parent.parent
+    candidates = [given_root.parent.parent, PACK_ROOT.parent.parent, Path.home() / "ComfyUI"]
     for candidate in candidates:
         if _is_comfyui_root(candidate):
             return candidate.resolve()
@@ -520,7 +529,7 @@ def _torchvision_stub_if_missing() -> bool:
     """ComfyUI imports torchvision unguarded in places; a CPU-only torch may have none that works. A bare
     package stands in only when the real one fails to import. True when stubbed."""
     try:
-        import torchvision  # noqa: F401
+        importlib.import_module("torchvision")
         return False
     except Exception:  # noqa: BLE001 - missing, or built for another torch
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
@@ -578,38 +587,47 @@ def _package(name: str, path: Path) -> types.ModuleType:
 
 
 def load_comfyui_workload(path: Optional[str], device: torch.device, flags=()) -> Workload:
-    """Sets ComfyUI up (`setup_comfyui`) and loads `nodes/bench_wan.py` as `<PACK_PACKAGE>.nodes.bench_wan`.
-
-    The pack's root and `nodes` packages are made as empty package objects with the right `__path__`, so
-    neither `__init__.py` runs (they import comfy_api: pydantic, av, ...), while the relative imports of
-    `nodes/wan.py` (`from ..qkv_core import ...`, `from .comfy_ops import ...`) work. `<PACK_PACKAGE>.qkv_core`
-    is this process's `qkv_core` (same module objects), so `scaled_runtime` and the notices reach the code
-    the adapter calls."""
-    module, root, notes = _load_pack_module("bench_wan", path, device, flags)
+    """Sets ComfyUI up and loads the `--comfyui` workload, `benchmarks/wan_block.py`, as
+    `<PACK_PACKAGE>.benchmarks.wan_block` (see `load_pack_module`); its `make_workload` gets this module (the
+    running runner, `__main__` under `python -m`), whose `Workload`, `Method`, ... it builds on."""
+    module, root, notes = load_pack_module("wan_block", path, device, flags)
     workload = module.make_workload(sys.modules[__name__])
     workload.comfyui_root = str(root)
     workload.setup_notes = [f"ComfyUI from {root}"] + notes
     return workload
 
 
-def _load_pack_module(name: str, path: Optional[str], device: torch.device, flags=()):
-    """ComfyUI set up, and the pack's `nodes/<name>.py` imported (see `load_comfyui_workload`)."""
-    if not (PACK_ROOT / "nodes" / f"{name}.py").is_file():
-        raise SystemExit(f"--comfyui needs the repository checkout (no nodes/{name}.py)")
+def load_pack_module(name: str, path: Optional[str], device: torch.device, flags=()):
+    """ComfyUI set up (`setup_comfyui`), then `benchmarks/<name>.py` imported as `<PACK_PACKAGE>.benchmarks.<name>`:
+    returns (module, ComfyUI root, notes).
+
+    The workloads import the pack's adapter relatively (`from ..nodes import wan`, `from ..qkv_core import ...`,
+    `from .memory import ...`), so they are imported inside a package made for the whole pack: `PACK_PACKAGE`
+    and `<PACK_PACKAGE>.nodes` are empty package objects over the repository root and `nodes/` (neither
+    `__init__.py` runs: they import comfy_api, i.e. pydantic, av, ... that a bare benchmark machine lacks),
+    so the relative imports of `nodes/wan.py` (`from ..qkv_core import ...`, `from .comfy_ops import ...`)
+    resolve inside it. `<PACK_PACKAGE>.qkv_core` and `<PACK_PACKAGE>.benchmarks` are this process's
+    `qkv_core` and `benchmarks` (`SHARED_PACKAGES`: the same module objects), so `scaled_runtime` and the
+    notices reach the code the adapter calls and the workloads measure with this runner's `memory`. Nothing
+    in `qkv_core/` or `nodes/` imports `benchmarks`."""
+    if not (PACK_ROOT / "nodes" / "wan.py").is_file() or not (PACK_ROOT / "benchmarks" / f"{name}.py").is_file():
+        raise SystemExit(f"--comfyui needs the repository checkout (nodes/wan.py and benchmarks/{name}.py "
+                         f"under {PACK_ROOT})")
     root = find_comfyui(path)
     notes = setup_comfyui(root, device, flags)
     if PACK_PACKAGE not in sys.modules:
         pack = _package(PACK_PACKAGE, PACK_ROOT)
-        _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
+        pack.nodes = _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
         for module_name, module in list(sys.modules.items()):
-            if module_name == "qkv_core" or module_name.startswith("qkv_core."):
+            if module_name.split(".", 1)[0] in SHARED_PACKAGES:
                 sys.modules[f"{PACK_PACKAGE}.{module_name}"] = module
-        pack.qkv_core = qkv_core
-    return importlib.import_module(f"{PACK_PACKAGE}.nodes.{name}"), root, notes
+        for package in SHARED_PACKAGES:
+            setattr(pack, package, sys.modules[package])
+    return importlib.import_module(f"{PACK_PACKAGE}.benchmarks.{name}"), root, notes
 
 
 def run_whole_model(argv) -> int:
-    """`--comfyui PATH --whole-model ...`: a whole Wan 14B sampled through ComfyUI (nodes/bench_wan_model.py,
+    """`--comfyui PATH --whole-model ...`: a whole Wan 14B sampled through ComfyUI (benchmarks/wan_model.py,
     whose options follow). ComfyUI's Dynamic VRAM loader is turned off before ComfyUI is imported unless
     `--dynamic-vram` is given."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -621,7 +639,7 @@ def run_whole_model(argv) -> int:
     if "--dynamic-vram" not in rest:
         flags.append("?disable-dynamic-vram")   # v0.33+; older ComfyUI has only the estimate-based loader
     device = _device(known.device)
-    module, root, notes = _load_pack_module("bench_wan_model", known.comfyui or None, device, flags)
+    module, root, notes = load_pack_module("wan_model", known.comfyui or None, device, flags)
     print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
     return module.main(rest + (["--device", known.device] if known.device else []))
 
@@ -659,7 +677,7 @@ def parse_args(argv=None):
         workload = load_comfyui_workload(known.comfyui or None, _device(known.device), known.comfy_flag)
         WORKLOADS[workload.name] = workload
 
-    parser = argparse.ArgumentParser(prog="python -m qkv_core.bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default=None,
                         help="default: wan-self-attention (comfyui-wan-block with --comfyui)")
     _comfyui_option(parser)
