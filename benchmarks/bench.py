@@ -5,6 +5,7 @@
     python -m benchmarks.bench --plot bench-wan.png
     python -m benchmarks.bench --comfyui [PATH]    # ComfyUI's real Wan 14B block (benchmarks/wan_block.py)
     python -m benchmarks.bench --comfyui [PATH] --whole-model [options]   # benchmarks/wan_model.py
+    python -m benchmarks.bench --comfyui [PATH] --families [options]      # benchmarks/family_blocks.py
 
 Run from the repository root (`scripts/bench` does). Until this change the runner was `qkv_core/bench.py`
 (`python -m qkv_core.bench`); the benchmarks are not part of the node pack's runtime.
@@ -643,6 +644,20 @@ def run_whole_model(argv) -> int:
     print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
     return module.main(rest + (["--device", known.device] if known.device else []))
 
+def run_families(argv) -> int:
+    """`--comfyui PATH --families ...`: one block of each adapted family, stock vs the pack
+    (benchmarks/family_blocks.py, whose options follow)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _comfyui_option(pre)
+    pre.add_argument("--families", action="store_true")
+    pre.add_argument("--device", default=None)
+    known, rest = pre.parse_known_args(argv)
+    device = _device(known.device)
+    module, root, notes = load_pack_module("family_blocks", known.comfyui or None, device, list(known.comfy_flag))
+    print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
+    return module.main(rest + (["--device", known.device] if known.device else []))
+
+
 # ------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------
@@ -750,6 +765,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--whole-model" in argv:
         return run_whole_model(argv)
+    if "--families" in argv:
+        return run_families(argv)
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)

@@ -1,0 +1,150 @@
+"""Benchmark workload: one block of each family the pack adapts, ComfyUI's own block with random weights, stock
+against the pack's bounded forward (High, block bounds), peak memory and time in one process.
+
+    python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--json FILE]
+
+Loaded by `benchmarks/bench.py` inside the package it makes for the pack (see `load_pack_module`), so the
+adapters' relative imports resolve. Peaks are the working set above the live inputs and weights
+(`benchmarks.memory`: CUDA peak stats, or MemTracker on CPU), as multiples of |x|, the block's main input
+(the image stream of a double block, the joined stream of a single block). Not part of the node pack.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, NamedTuple
+
+import torch
+
+from ..nodes import flux
+from ..nodes.dispatch import QKVConfig
+from . import memory
+
+
+class Case(NamedTuple):
+    name: str
+    what: str
+    build: Callable      # (device, dtype) -> (block, inputs dict, |x| tensor name, pack forward factory)
+
+
+def _flux_blocks(width: int, heads: int, device, dtype, qkv_bias=True):
+    import comfy.ldm.flux.layers as layers
+    import comfy.ops
+    ops = dict(dtype=dtype, device=device, operations=comfy.ops.disable_weight_init)
+    double = layers.DoubleStreamBlock(width, heads, mlp_ratio=4.0, qkv_bias=qkv_bias, **ops)
+    single = layers.SingleStreamBlock(width, heads, mlp_ratio=4.0, **ops)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for block in (double, single):
+            for name, p in block.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+                elif "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.copy_(0.02 * torch.randn(p.shape, generator=g, device=device, dtype=torch.float32))
+    return double.eval(), single.eval()
+
+
+def _pe(tokens: int, head_dim: int, device):
+    import comfy.ldm.flux.layers as layers
+    ids = torch.stack((torch.arange(tokens, device=device) // 4096, (torch.arange(tokens, device=device) // 64) % 64,
+                       torch.arange(tokens, device=device) % 64), -1).float().unsqueeze(0)
+    third = head_dim // 3 // 2 * 2
+    return layers.EmbedND(dim=head_dim, theta=10000, axes_dim=[head_dim - 2 * third, third, third])(ids)
+
+
+def flux_case(which: str, img_tokens: int, txt_tokens: int, width=3072, heads=24, text_mask=False):
+    def build(device, dtype):
+        double, single = _flux_blocks(width, heads, device, dtype)
+        g = torch.Generator(device=device).manual_seed(1)
+        total = img_tokens + txt_tokens
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+        img, txt, vec = randn(1, img_tokens, width), randn(1, txt_tokens, width), randn(1, width)
+        pe = _pe(total, width // heads, device)
+        mask = None
+        if text_mask:   # HunyuanVideo: the text padding masked out of the keys, (1, 1, L)
+            mask = torch.zeros(1, 1, total, device=device, dtype=dtype)
+            mask[..., img_tokens + txt_tokens // 2:] = -torch.inf if dtype == torch.float32 else -65504.0
+        if which == "double":
+            inputs = dict(img=img, txt=txt, vec=vec, pe=pe, attn_mask=mask, transformer_options={})
+            return double, inputs, "img", flux.double_block_forward
+        inputs = dict(x=torch.cat((txt, img), 1), vec=vec, pe=pe, attn_mask=mask, transformer_options={})
+        return single, inputs, "x", flux.single_block_forward
+    return build
+
+
+HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
+CASES = {case.name: case for case in (
+    Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
+         flux_case("double", 16384, 512)),
+    Case("flux-single-2048", "Flux-dev single block, 2048^2 (16,896 tokens)", flux_case("single", 16384, 512)),
+    Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
+         flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
+    Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",
+         flux_case("single", HUNYUAN_720P_129, 256, text_mask=True)),
+)}
+
+
+def _fresh(inputs: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+
+
+def _first(result):
+    return result[0] if isinstance(result, tuple) else result
+
+
+def run_case(case: Case, device, dtype, backend: str, repeats: int) -> dict:
+    block, inputs, main, factory = case.build(device, dtype)
+    x_bytes = inputs[main].numel() * inputs[main].element_size()
+    ours = factory(block, QKVConfig(level=3, backend=backend, block=True))
+    row = {"case": case.name, "what": case.what, "x_GiB": x_bytes / 2**30}
+    results = {}
+    with torch.no_grad():
+        ours(**_fresh(inputs))   # the self-check, once, outside the measurement
+        for label, fn in (("stock", block), ("pack", ours)):
+            peak = memory.measure_peak(fn, **_fresh(inputs), device=device, live=[block, list(inputs.values())])
+            results[label] = _first(peak.result).float()
+            timing = memory.time_call(lambda d, fn=fn: fn(**d), setup=lambda: (_fresh(inputs),), warmup=1,
+                                      repeats=repeats, device=device)
+            row[f"{label}_peak_x"] = peak.peak_bytes / x_bytes
+            row[f"{label}_ms"] = timing.median_s * 1000
+            del peak
+    row["time_ratio"] = row["pack_ms"] / row["stock_ms"]
+    row["max_rel_diff"] = float((results["pack"] - results["stock"]).abs().max() / results["stock"].abs().max())
+    del block, inputs, results
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench --comfyui PATH --families")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--backend", default="auto", help="the node's attention_backend for the pack")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows = []
+    print(f"{'case':26} {'stock x|x|':>10} {'pack x|x|':>10} {'stock ms':>9} {'pack ms':>9} {'time':>6} {'diff':>8}")
+    for name in args.cases.split(","):
+        if name not in CASES:
+            raise SystemExit(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
+        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats)
+        rows.append(row)
+        print(f"{name:26} {row['stock_peak_x']:10.2f} {row['pack_peak_x']:10.2f} {row['stock_ms']:9.1f} "
+              f"{row['pack_ms']:9.1f} {row['time_ratio']:6.2f} {row['max_rel_diff']:8.2e}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else None, "backend": args.backend, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":   # pragma: no cover - run through benchmarks.bench
+    sys.exit(main())
