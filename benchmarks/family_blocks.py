@@ -115,7 +115,8 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int) -> dict:
             del peak
     row["time_ratio"] = row["pack_ms"] / row["stock_ms"]
     row["max_rel_diff"] = float((results["pack"] - results["stock"]).abs().max() / results["stock"].abs().max())
-    del block, inputs, results
+    inputs.clear()   # the block's inputs and weights go before the next case
+    del block, results
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
