@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..qkv_core import FusedRows, joint_qkv_attention, rows_
-from .comfy_ops import ComfyLinearRows
+from ..qkv_core import FusedRows, joint_qkv_attention, kernels, rows_
+from .comfy_ops import ComfyLinearRows, norm_weight
 from .dispatch import attention_kwargs
 
 NORM_PER_HEAD = "per_head"
@@ -137,12 +137,29 @@ class PerHeadNormRope:
 
     def __init__(self, ranges: Sequence[tuple], freqs: Optional[torch.Tensor]):
         self.ranges, self.freqs = list(ranges), freqs
+        self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
+
+    def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
+        """One Triton pass (CUDA): the norm over each head's channels and the RoPE, for torch RMSNorms."""
+        if not kernels.can_run(t) or (norm is not None and not (
+                isinstance(norm, torch.nn.RMSNorm) and tuple(norm.normalized_shape) == (t.shape[-1],))):
+            return False
+        weight, eps = None, None
+        if norm is not None:
+            if id(norm) not in self._weights:
+                self._weights[id(norm)] = (norm_weight(norm, t),)
+            weight = self._weights[id(norm)][0]
+            eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps   # torch's default
+        freqs = None if self.freqs is None else self.freqs[:, start:stop]
+        return kernels.norm_rope_(t[:, start:stop], None, weight, freqs, head_norm_eps=eps)
 
     def _apply_(self, t: torch.Tensor, which: int) -> None:
         freqs = self.freqs
         for start, stop, *norms in self.ranges:
             norm = norms[which]
             if norm is None and freqs is None:
+                continue
+            if self._fused_(t, start, stop, norm):
                 continue
 
             def chunk(part, a, b, norm=norm):

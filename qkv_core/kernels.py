@@ -26,10 +26,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, f_ptr, tokens, heads,
-                          stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, f_ptr, tokens, heads, head_eps,
+                          stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft, stride_wh,
                           DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
-                          HAS_W: tl.constexpr, HAS_F: tl.constexpr):
+                          HAS_W: tl.constexpr, HAS_F: tl.constexpr, HEAD_NORM: tl.constexpr):
         # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
         # are read once and serve all its heads; each head's channels are one contiguous row
         block, batch = tl.program_id(0), tl.program_id(1)
@@ -50,9 +50,11 @@ if triton is not None:
             x = raw.to(tl.float32)
             if HAS_INV:
                 x = x * inv[:, None]
+            if HEAD_NORM:   # an RMSNorm over each head's channels (Flux's QKNorm, ...)
+                x = x * tl.rsqrt(tl.sum(x * x, axis=1) / DIM + head_eps)[:, None]
             if HAS_W:
-                x = x * tl.load(w_ptr + head * DIM + c).to(tl.float32)[None, :]
-            if HAS_INV or HAS_W:  # the norm's output is rounded before the rotation, as the model does
+                x = x * tl.load(w_ptr + head * stride_wh + c).to(tl.float32)[None, :]
+            if HAS_INV or HAS_W or HEAD_NORM:  # the norm's output is rounded before the rotation, as the model does
                 x = x.to(raw.dtype).to(tl.float32)
             if HAS_F:
                 even, odd = tl.split(tl.reshape(x, (BLOCK_T, DIM // 2, 2)))
@@ -68,12 +70,13 @@ def can_run(t: torch.Tensor) -> bool:
 
 
 def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
-               freqs: Optional[torch.Tensor] = None) -> bool:
+               freqs: Optional[torch.Tensor] = None, head_norm_eps: Optional[float] = None) -> bool:
     """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional).
 
-    `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)` or `(h * D,)`; `freqs`:
-    float32 `(1 or B, N, 1, D/2, 2, 2)`. Returns False (nothing done) when the kernel cannot take the call.
-    """
+    `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
+    every head; `freqs`: float32 `(1 or B, N, 1, D/2, 2, 2)`. `head_norm_eps`: an RMSNorm over each head's
+    own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). Returns False (nothing done) when
+    the kernel cannot take the call."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
         return False
     batch, tokens, heads, dim = t.shape
@@ -88,7 +91,7 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     w = t
     if weight is not None:
         w = weight.reshape(-1)
-        if w.numel() != heads * dim or not w.is_contiguous() or w.device != t.device:
+        if w.numel() not in (dim, heads * dim) or not w.is_contiguous() or w.device != t.device:
             return False
     f = t
     if freqs is not None:
@@ -101,24 +104,28 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     block_t = max(1, 2048 // dim)
     grid = (triton.cdiv(tokens, block_t), batch)
     _norm_rope_kernel[grid](
-        t, inv, w, f, tokens, heads,
+        t, inv, w, f, tokens, heads, 0.0 if head_norm_eps is None else float(head_norm_eps),
         t.stride(0), t.stride(1), t.stride(2),
         inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
         f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
+        dim if weight is not None and w.numel() == heads * dim else 0,
         DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
-        HAS_F=freqs is not None)
+        HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None)
     return True
 
 
 def norm_rope_reference(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
-                        weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                        head_norm_eps: Optional[float] = None) -> torch.Tensor:
     """The same math in PyTorch, out of place (for tests and as the documentation of the kernel)."""
     out = t.float()
     if inverse_rms is not None:
         out = out * inverse_rms.reshape(t.shape[0], t.shape[1], 1, 1).float()
+    if head_norm_eps is not None:
+        out = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + head_norm_eps)
     if weight is not None:
-        out = out * weight.reshape(t.shape[2], t.shape[3]).float()
-    if inverse_rms is not None or weight is not None:
+        out = out * weight.reshape(-1, t.shape[3]).float()
+    if inverse_rms is not None or weight is not None or head_norm_eps is not None:
         out = out.to(t.dtype).float()
     if freqs is not None:
         pairs = out.unflatten(-1, (-1, 1, 2))
