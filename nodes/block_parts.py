@@ -3,10 +3,11 @@ chunks, in place, with its weights cast once. A family's block (`nodes/wan.py`, 
 with what is its own (modulation, the order of its residual updates)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
+from . import compat
 from .comfy_ops import CastLinear, even_chunk_tokens, not_row_sliceable, token_ranges
 
 # One chunk's hidden activation holds at most |x| / FFN_CHUNK_FRACTION elements: under the attention's own
@@ -88,4 +89,16 @@ def projection_residual_(residual: torch.Tensor, linear, attention: torch.Tensor
         cast.release()
 
 
-__all__ = ["ChunkedMLP", "mlp_residual_", "projection_residual_", "FFN_CHUNK_FRACTION"]
+def foreign_part(block) -> Optional[str]:
+    """Another node's forward or module hook on a part of `block` the pack's bounded block computes itself
+    (then ComfyUI's block runs, calling it), else None."""
+    for name, part in block.named_children():
+        for module in part.modules():
+            if compat.foreign_forward(module):
+                return f"another node patched its {name}"
+            if module._forward_hooks or module._forward_pre_hooks:
+                return f"another node hooks its {name}"
+    return None
+
+
+__all__ = ["ChunkedMLP", "mlp_residual_", "projection_residual_", "foreign_part", "FFN_CHUNK_FRACTION"]

@@ -24,7 +24,7 @@ import comfy.ldm.flux.layers as flux_layers
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
-from .block_parts import mlp_residual_, projection_residual_
+from .block_parts import foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
 
@@ -349,17 +349,6 @@ def _guard(kind, what, block, names, run, check_inputs, residual, config):
         check_inputs=lambda bound: check_inputs(block, bound),
         residual=residual, quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call,
         refuse_more=foreign_part)
-
-
-def foreign_part(block) -> Optional[str]:
-    """Another node's forward or hook on a part the pack's block computes itself (it then runs ComfyUI's)."""
-    for name, part in block.named_children():
-        for module in part.modules():
-            if compat.foreign_forward(module):
-                return f"another node patched its {name}"
-            if module._forward_hooks or module._forward_pre_hooks:
-                return f"another node hooks its {name}"
-    return None
 
 
 def double_block_forward(block, config):

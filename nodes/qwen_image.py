@@ -1,0 +1,382 @@
+"""Qwen-Image adapter (`comfy/ldm/qwen_image/model.py`): Qwen-Image, Qwen-Image-Edit (reference latents joined
+to the image tokens, and the `index_timestep_zero` method whose reference tokens take a modulation of their
+own) and every model built from its `QwenImageTransformerBlock` (MageFlow, ComfyUI v0.33+).
+
+The attention module (`Attention`: image stream `to_q/k/v`, text stream `add_q/k/v_proj`, per-head RMSNorm,
+pair RoPE, joint order [txt, img], outputs `to_out` / `to_add_out`) is patched at every setting: its forward
+runs through `nodes/attention.py` (the head split, each stream's norm and the RoPE by head group), the output
+projections as ComfyUI's layers compute them. With block bounds on, the whole `QwenImageTransformerBlock` is
+patched too: each stream's modulated input is made by token chunks and handed off to the runtime, the output
+projections and the MLPs run by token chunks, and the residual updates go in place into the block's output
+(a new tensor per stream: ComfyUI's block does not write its inputs, and a `patches_replace["dit"]` wrapper
+may read them after the call). The block's own modulation (`_modulate`) makes each chunk's modulated input.
+
+Guarded and self-checked like every forward of the pack (`compat.guard_module`): a call with another node's
+`attn1_patch` (ComfyUI v0.33's attention calls it on whole q/k/v), an `attention_mask` argument (no ComfyUI
+block passes one; versions differ in what it does) or arguments the pack does not know runs ComfyUI's own.
+The text mask (`encoder_hidden_states_mask`) is applied to the text keys as ComfyUI v0.33 does; ComfyUI
+v0.8.0's attention ignores it, so there a masked call fails its self-check and runs stock (one log line).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import comfy.ldm.qwen_image.model as qwen_model
+
+from . import compat
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
+from .block_parts import foreign_part, mlp_residual_, projection_residual_
+from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module
+
+FAMILY = "Qwen-Image"
+# Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched modules need
+# less, so a run never plans for less than it uses).
+MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+
+FORM = AttentionForm(streams=(
+    StreamProjections(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q", norm_k="norm_added_k"),
+    StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="norm_q", norm_k="norm_k"),
+), norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
+
+HOOKS_RUN_INSIDE = ("attn1_patch",)   # called by ComfyUI's attention on whole joint q/k/v
+ATTENTION_ARGS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "attention_mask",
+                  "image_rotary_emb", "transformer_options")
+BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
+              "timestep_zero_index", "transformer_options")
+# the check's text tokens: a quarter of its image tokens (the text is short next to the image)
+CHECK_TEXT_TOKENS = compat.CHECK_TOKENS // 4
+
+
+# --- probes -------------------------------------------------------------------------------------------------
+def _linear_out(module, name: str, features: int) -> Optional[str]:
+    weight = getattr(attribute(module, name), "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] != features:
+        return f"{name} is not a Linear with {features} outputs"
+    return None
+
+
+def _no_dropout(module, name: str) -> Optional[str]:
+    layer = attribute(module, name)
+    if not isinstance(layer, torch.nn.Dropout) or (layer.p != 0 and layer.training):
+        return f"{name} is not an inactive Dropout"
+    return None
+
+
+def probe_attention(attn) -> Optional[str]:
+    """None when a Qwen-Image `Attention` has the structure the pack's forward uses."""
+    heads, head_dim = getattr(attn, "heads", None), getattr(attn, "dim_head", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int):
+        return "no heads/dim_head"
+    if getattr(attn, "inner_dim", None) != heads * head_dim:
+        return "inner_dim is not heads x dim_head"
+    reason = FORM.probe(attn, heads, head_dim)
+    if reason:
+        return reason
+    to_out = getattr(attn, "to_out", None)
+    if not isinstance(to_out, torch.nn.ModuleList) or len(to_out) != 2:
+        return "to_out is not [Linear, Dropout]"
+    return _no_dropout(attn, "to_out.1") or _linear_out(attn, "to_out.0", attn.out_dim) or \
+        _linear_out(attn, "to_add_out", attn.out_context_dim)
+
+
+def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
+    """Qwen-Image's `FeedForward` (`net`: GELU(proj) with its approximation, Dropout(0), Linear) as the
+    `Sequential(Linear, GELU, Linear)` it computes, over the model's own layers (nothing copied), or None
+    for another MLP. The Sequential is what `block_parts.ChunkedMLP` casts once and runs by token chunks."""
+    net = getattr(mlp, "net", None)
+    if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
+        return None
+    gelu, dropout, down = net
+    approximate = getattr(gelu, "approximate", None)
+    if type(gelu) is not qwen_model.GELU or approximate not in ("none", "tanh") or \
+            _no_dropout(net, "1") is not None or getattr(down, "weight", None) is None:
+        return None
+    return torch.nn.Sequential(gelu.proj, torch.nn.GELU(approximate=approximate), down)
+
+
+def probe_block(block) -> Optional[str]:
+    """None when a `QwenImageTransformerBlock` has the structure the pack's bounded forward uses."""
+    attn = getattr(block, "attn", None)
+    if attn is None:
+        return "no attn"
+    reason = probe_attention(attn)
+    if reason:
+        return f"attn: {reason}"
+    width = attn.inner_dim
+    if getattr(block, "dim", None) != width or attn.out_dim != width or attn.out_context_dim != width:
+        return "the attention's width is not the block's"
+    for name in ("img_mod", "txt_mod"):
+        mod = getattr(block, name, None)
+        if not isinstance(mod, torch.nn.Sequential) or len(mod) != 2 or _linear_out(mod, "1", 6 * width):
+            return f"{name} is not SiLU, Linear to 6 x width"
+    for name in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"):
+        if getattr(block, name, None) is None:
+            return f"no {name}"
+    for name in ("img_mlp", "txt_mlp"):
+        if feed_forward_layers(getattr(block, name, None)) is None:
+            return f"{name} is not Qwen-Image's FeedForward"
+    if not callable(getattr(block, "_modulate", None)):
+        return "no _modulate"
+    return None
+
+
+# --- the text mask, modulation by token chunks -----------------------------------------------------------------
+def joint_key_mask(text_mask: Optional[torch.Tensor], img: torch.Tensor, text_tokens: int) -> Optional[torch.Tensor]:
+    """The additive key mask `(B, 1, text + image tokens)` in `img`'s dtype that ComfyUI v0.33's attention makes
+    of `text_mask` (`(B, text)` or `(text,)`): the mask on the text keys, 0 on the image keys."""
+    if text_mask is None:
+        return None
+    mask = img.new_zeros((img.shape[0], 1, text_tokens + img.shape[1]))
+    mask[:, 0, :text_tokens] = text_mask
+    return mask
+
+
+def _cut(zero_from: Optional[int], a: int, b: int) -> Optional[int]:
+    """`timestep_zero_index` as seen from the chunk [a, b) (tokens from it on take the zero timestep's
+    modulation)."""
+    return None if zero_from is None else min(max(zero_from - a, 0), b - a)
+
+
+def modulated_chunk(block, normed: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int], a: int,
+                    b: int) -> torch.Tensor:
+    """The block's own `_modulate` of `normed`, the chunk [a, b) of a stream's normed tokens, by `mod`
+    `(B or 2B, 3C)` ([shift, scale, gate]; 2B with a `zero_from`)."""
+    if zero_from is None:
+        return block._modulate(normed, mod)[0]
+    return block._modulate(normed, mod, _cut(zero_from, a, b))[0]
+
+
+def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int]) -> torch.Tensor:
+    """`_modulate(norm(x), mod)` in a fresh tensor like `x`, made by token chunks (the norm's and the
+    modulation's transients are a chunk each)."""
+    out = torch.empty_like(x)
+    tokens = x.shape[1]
+    for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() // 8))):
+        out[:, a:b] = modulated_chunk(block, norm(x[:, a:b]), mod, zero_from, a, b)
+    return out
+
+
+def gated_add(mod: torch.Tensor, zero_from: Optional[int]):
+    """`add_(part, out, a, b)`: `part += gate * out` for the chunk [a, b), the gate of `mod` ([shift, scale,
+    gate], as `_modulate` splits it); with `zero_from`, tokens from it on take the second half of the batch's
+    gate (the zero timestep's)."""
+    gate = mod.chunk(3, dim=-1)[2].unsqueeze(1)
+    gates = (gate,) if zero_from is None else gate.chunk(2, dim=0)
+
+    def add_(part, out, a, b):
+        if zero_from is None:
+            part.addcmul_(gates[0], out)
+            return
+        cut = _cut(zero_from, a, b)
+        part[:, :cut].addcmul_(gates[0], out[:, :cut])
+        part[:, cut:].addcmul_(gates[1], out[:, cut:])
+    return add_
+
+
+# --- the forwards -------------------------------------------------------------------------------------------
+def run_attention(attn, config, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
+                  attention_mask=None, image_rotary_emb=None, transformer_options={}):
+    """`Attention.forward`: (image output `(B, N_img, C)`, text output `(B, N_txt, C)`) of the image stream
+    `hidden_states` and the text stream `encoder_hidden_states`. `image_rotary_emb`: Flux-layout pair-RoPE
+    frequencies `(B or 1, 1, N_txt + N_img, D/2, 2, 2)`. (`attention_mask` is refused by the guard.)"""
+    text_tokens = encoder_hidden_states.shape[1]
+    mask = joint_key_mask(encoder_hidden_states_mask, hidden_states, text_tokens)
+    streams = [[encoder_hidden_states], [hidden_states]]
+    del hidden_states, encoder_hidden_states
+    attention = attend(attn, FORM, streams, attn.heads, attn.dim_head, config, transformer_options,
+                       freqs=token_freqs(image_rotary_emb), mask=mask).flatten(2)
+    del mask
+    img = attn.to_out[1](attn.to_out[0](attention[:, text_tokens:]))
+    txt = attn.to_add_out(attention[:, :text_tokens])
+    return img, txt
+
+
+def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+              image_rotary_emb=None, timestep_zero_index=None, transformer_options={}):
+    """The bounded `QwenImageTransformerBlock.forward`: (text `(B, N_txt, C)`, image `(B, N_img, C)`), new
+    tensors; the inputs are not written. `temb` `(B, C)`, or `(2B, C)` with `timestep_zero_index` (the
+    image tokens from it on take the second half's modulation; the text takes the first half's)."""
+    zero_from = timestep_zero_index
+    img, txt, attn = hidden_states, encoder_hidden_states, block.attn
+    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0]).chunk(2, dim=-1)
+    text_tokens = txt.shape[1]
+    mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
+    handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None)],
+                  [modulated_input(block, block.img_norm1, img, img_mod1, zero_from)]]
+    # the runtime holds the only references to the modulated inputs: each is freed once projected
+    attention = attend(attn, FORM, handed_off, attn.heads, attn.dim_head, config, transformer_options,
+                       freqs=token_freqs(image_rotary_emb), mask=mask).flatten(2)
+    del mask
+    img_out, txt_out = img.clone(), txt.clone()   # the outputs: the updates are added into them in place
+    projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:], gated_add(img_mod1, zero_from))
+    projection_residual_(txt_out, attn.to_add_out, attention[:, :text_tokens], gated_add(txt_mod1, None))
+    del attention
+    for out, norm, mlp, mod, zero in ((img_out, block.img_norm2, block.img_mlp, img_mod2, zero_from),
+                                      (txt_out, block.txt_norm2, block.txt_mlp, txt_mod2, None)):
+        mlp_residual_(out, feed_forward_layers(mlp),
+                      lambda a, b, out=out, norm=norm, mod=mod, zero=zero:
+                      modulated_chunk(block, norm(out[:, a:b]), mod, zero, a, b), gated_add(mod, zero))
+    return txt_out, img_out
+
+
+# --- guards ---------------------------------------------------------------------------------------------------
+def _stock_functions(module) -> tuple:
+    """ComfyUI's forwards whose math the pack's forward of `module` (an attention or a block) replaces."""
+    if isinstance(module, qwen_model.QwenImageTransformerBlock):
+        return (type(module).forward, type(module.attn).forward, type(module.img_mlp).forward)
+    return (type(module).forward,)
+
+
+def _hooks(options) -> frozenset:
+    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
+
+
+def _refuse_call(bound) -> Optional[str]:
+    inside = sorted(_hooks(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
+    if inside:
+        return f"another node's {', '.join(inside)} hook needs whole q/k/v"
+    if bound.get("attention_mask") is not None:
+        return "an attention_mask argument (ComfyUI's blocks pass none; its use differs between versions)"
+    mask = bound.get("encoder_hidden_states_mask")
+    if mask is not None and (mask.dim() > 2 or mask.shape[-1] != bound["encoder_hidden_states"].shape[1]):
+        return f"a text mask of shape {tuple(mask.shape)} (the pack takes (batch, text tokens))"
+    return None
+
+
+def _signature(kind: str, module, config, bound: dict) -> tuple:
+    mask, img = bound.get("encoder_hidden_states_mask"), bound["hidden_states"]
+    options = bound.get("transformer_options") or {}
+    return (kind, _stock_functions(module), compat.layers_signature(module), img.dtype, img.device.type, config,
+            _hooks(options), "optimized_attention_override" in options, bound.get("image_rotary_emb") is None,
+            None if mask is None else (mask.dim(), mask.dtype), bound.get("timestep_zero_index") is None)
+
+
+def _image_keep(tokens: int, zero_from: Optional[int]) -> torch.Tensor:
+    """The check's image tokens: the first ones, or, with a `zero_from` inside the sequence, half from each
+    side of it (both modulations are checked)."""
+    n = compat.check_tokens(tokens)
+    if zero_from is None or not 0 < zero_from < tokens or n == tokens:
+        return torch.arange(n)
+    before = min(n // 2, zero_from)
+    return torch.cat((torch.arange(before), zero_from + torch.arange(min(n - before, tokens - zero_from))))
+
+
+def _text_keep(tokens: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The check's text tokens: the first ones, or, with a mask, up to half of them where the mask is not 0
+    and the rest where it is (masked and unmasked keys are both checked, wherever the padding is)."""
+    n = min(tokens, CHECK_TEXT_TOKENS)
+    if mask is None or n == tokens:
+        return torch.arange(n)
+    marked = (mask.reshape(-1, tokens) != 0).any(0).cpu()
+    picked = marked.nonzero().flatten()[:n // 2]
+    rest = (~marked).nonzero().flatten()[:n - len(picked)]
+    return torch.cat((picked, rest)).sort().values
+
+
+def _check_inputs(bound: dict) -> dict:
+    """The call's check inputs: some image and text tokens of every batch item, with their RoPE rows and
+    mask entries, and probes for other nodes' hooks."""
+    img, txt = bound["hidden_states"], bound["encoder_hidden_states"]
+    zero_from = bound.get("timestep_zero_index")
+    mask = bound.get("encoder_hidden_states_mask")
+    img_keep, txt_keep = _image_keep(img.shape[1], zero_from), _text_keep(txt.shape[1], mask)
+    out = dict(bound)
+    out.update(hidden_states=img.index_select(1, img_keep.to(img.device)),
+               encoder_hidden_states=txt.index_select(1, txt_keep.to(txt.device)),
+               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
+    if mask is not None:
+        out["encoder_hidden_states_mask"] = mask.index_select(-1, txt_keep.to(mask.device))
+    freqs = bound.get("image_rotary_emb")
+    if freqs is not None:
+        joint = torch.cat((txt_keep, txt.shape[1] + img_keep)).to(freqs.device)
+        out["image_rotary_emb"] = freqs.index_select(2, joint)
+    if zero_from is not None:
+        out["timestep_zero_index"] = int((img_keep < zero_from).sum())
+    return out
+
+
+def _guard(kind: str, what: str, module, names, run, config, residual=None):
+    def ours_factory(module, config):
+        def forward(*args, **kwargs):
+            return run(module, config, **compat.bind_args(names, args, kwargs))
+        return forward
+    return compat.guard_module(
+        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
+        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
+        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_call,
+        refuse_more=foreign_part)
+
+
+def attention_forward(attn, config):
+    """The guarded forward installed on a Qwen-Image `Attention`."""
+    return _guard("attention", f"{FAMILY} attention", attn, ATTENTION_ARGS, run_attention, config)
+
+
+def block_forward(block, config):
+    """The guarded bounded forward installed on a `QwenImageTransformerBlock` (block bounds on)."""
+    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, run_block, config,
+                  residual=("encoder_hidden_states", "hidden_states"))
+
+
+# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
+def _blocks(model):
+    blocks = getattr(model, "transformer_blocks", None)
+    if isinstance(blocks, torch.nn.ModuleList):
+        for index, block in enumerate(blocks):
+            if isinstance(block, qwen_model.QwenImageTransformerBlock):
+                yield f"diffusion_model.transformer_blocks.{index}", block
+
+
+def matches(diffusion_model) -> bool:
+    """A model built from Qwen-Image's transformer blocks (Qwen-Image, Qwen-Image-Edit, MageFlow)."""
+    return next(_blocks(diffusion_model), None) is not None
+
+
+def patch(patcher, config, report) -> None:
+    """Object patches on `patcher` (a clone): every block's attention that probes clean, and with block bounds
+    the block too (its attention patch then serves the calls the block hands to ComfyUI's own forward)."""
+    for path, block in _blocks(patcher.model.diffusion_model):
+        patch_module(patcher, report, FAMILY, f"{path}.attn", "attention",
+                     lambda block=block: attention_forward(block.attn, config),
+                     lambda block=block: probe_attention(block.attn))
+        if config.block:
+            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
+                         lambda block=block: probe_block(block), parts=("attn",))
+
+
+def stock_functions(diffusion_model) -> set:
+    functions = set()
+    for _, block in _blocks(diffusion_model):
+        functions.update(_stock_functions(block))
+    return functions
+
+
+def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
+    """Image tokens of one batch item for a latent `(B, C, H, W)` or `(B, C, T, H, W)` (reference latents
+    and the text come on top; not known here)."""
+    if latent_shape is None or len(latent_shape) not in (4, 5):
+        return None
+    step = int(getattr(diffusion_model, "patch_size", 2))
+    frames = int(latent_shape[2]) if len(latent_shape) == 5 else 1
+    return frames * -(-int(latent_shape[-2]) // step) * -(-int(latent_shape[-1]) // step)
+
+
+def kv_heads(diffusion_model) -> Optional[int]:
+    for _, block in _blocks(diffusion_model):
+        heads = getattr(block.attn, "heads", None)
+        return heads if isinstance(heads, int) else None
+    return None
+
+
+def splits_projections(diffusion_model) -> Optional[str]:
+    for _, block in _blocks(diffusion_model):
+        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            reason = not_row_sliceable(getattr(block.attn, name, None))
+            if reason is not None:
+                return f"attn.{name}: {reason}"
+        return None
+    return "no blocks"

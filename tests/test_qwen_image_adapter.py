@@ -1,0 +1,304 @@
+"""The Qwen-Image adapter (`nodes/qwen_image.py`) against a real ComfyUI: a tiny random-weight Qwen-Image built
+from ComfyUI's own config class: the patched diffusion model's output equals ComfyUI's own at every head-split
+level, with and without block bounds, and the head split really runs (the split floor is lowered to 0 so that
+a few hundred tokens split); Qwen-Image-Edit's reference latents (both ways of indexing them, with the zero
+timestep's modulation for the reference tokens), the text mask, a batch of two and bf16; other nodes' hooks,
+block replacements and an unsupported layout. Skipped without ComfyUI."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+LEVELS = ("Off", "Low", "Medium", "High")
+HEADS = 4
+TEXT_WIDTH = 48
+QWEN = {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 2,
+        "attention_head_dim": 32, "num_attention_heads": HEADS, "joint_attention_dim": TEXT_WIDTH,
+        "axes_dims_rope": [8, 12, 12]}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return comfy_env.pack_modules()
+
+
+@pytest.fixture(scope="module")
+def qwen(env):
+    return importlib.import_module(env.pack.__name__ + ".nodes.qwen_image")
+
+
+@pytest.fixture
+def split_everything(env, monkeypatch):
+    """The runtime splits from the first token (the tiny model's sequences are short)."""
+    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
+
+
+def qwen_model(config: dict = QWEN, config_class: str = "QwenImage"):
+    import torch
+    import comfy.model_patcher
+    import comfy.supported_models
+    if not hasattr(comfy.supported_models, config_class):
+        pytest.skip(f"this ComfyUI has no {config_class}")
+    model_config = getattr(comfy.supported_models, config_class)(dict(config))
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+
+
+def qwen_inputs(torch, latent=(1, 16, 1, 32, 24), text_tokens=12, seed=1, **extra):
+    g = torch.Generator().manual_seed(seed)
+    return dict(x=torch.randn(*latent, generator=g), timestep=torch.tensor([0.5] * latent[0]),
+                context=torch.randn(latent[0], text_tokens, TEXT_WIDTH, generator=g), **extra)
+
+
+def forward(patcher, inputs, applied=None):
+    import torch
+    if applied is not None:
+        applied.patch_model(load_weights=False)
+    try:
+        options = dict((applied or patcher).model_options.get("transformer_options", {}))
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
+                                                    for k, v in inputs.items()}, transformer_options=options)
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=False)
+
+
+def stock_fallbacks(env) -> list:
+    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
+    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def patched_counts(report) -> dict:
+    return {what: n for (family, what), n in report.patched_counts.items()}
+
+
+def check_every_level(env, base, inputs, layers=2):
+    torch = env.torch
+    reference = forward(base, inputs)
+    for level in LEVELS:
+        for block in (False, True):
+            patched, report = env.node.apply_patch(base, level, "sdpa", block)
+            assert not report.skipped_reasons, report.lines()
+            expected = {"attention": layers, "block": layers} if block else {"attention": layers}
+            assert patched_counts(report) == expected
+            env.core.reset_notices()
+            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
+                out = forward(base, inputs, applied=patched)
+            assert not stock_fallbacks(env), (level, block)
+            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
+            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
+    assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
+
+
+def test_qwen_image_equals_stock_at_every_level(env, split_everything):
+    base = qwen_model()
+    check_every_level(env, base, qwen_inputs(env.torch))
+
+
+@pytest.mark.parametrize("method", ["index", "index_timestep_zero"])
+def test_edit_reference_latents_equal_stock(env, split_everything, method):
+    """Qwen-Image-Edit: the reference latents' tokens join the image stream; with `index_timestep_zero` they
+    take the zero timestep's modulation (the block gets `timestep_zero_index`)."""
+    torch = env.torch
+    base = qwen_model()
+    g = torch.Generator().manual_seed(7)
+    inputs = qwen_inputs(torch, ref_latents=[torch.randn(1, 16, 1, 16, 16, generator=g),
+                                             torch.randn(1, 16, 1, 8, 24, generator=g)], ref_latents_method=method)
+    seen = []
+    block = base.model.diffusion_model.transformer_blocks[0]
+    handle = block.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
+        kwargs.get("timestep_zero_index")), with_kwargs=True)
+    try:
+        reference = forward(base, inputs)
+    finally:
+        handle.remove()
+    if method == "index_timestep_zero":
+        assert seen == [32 * 24 // 4]   # the reference tokens start after the image's 192
+    for level in ("Low", "High"):
+        for bounds in (False, True):
+            patched, _ = env.node.apply_patch(base, level, "sdpa", bounds)
+            env.core.reset_notices()
+            out = forward(base, inputs, applied=patched)
+            assert not stock_fallbacks(env), (method, level, bounds)
+            assert rel_err(out, reference) <= 1e-5, (method, level, bounds, rel_err(out, reference))
+
+
+def test_check_inputs_cover_both_modulations_and_masked_text(env, qwen):
+    """The self-check's tokens: image tokens on both sides of `timestep_zero_index`, text tokens both masked
+    and not, with their RoPE rows and mask entries."""
+    torch = env.torch
+    text, img, zero_from = 300, 1000, 700
+    mask = torch.zeros(2, text)
+    mask[:, 250:] = -1e30                                    # padding at the end of the text
+    freqs = torch.arange(text + img).float().view(1, 1, -1, 1, 1, 1)
+    bound = dict(hidden_states=torch.arange(img).float().view(1, -1, 1).expand(2, -1, 8),
+                 encoder_hidden_states=torch.arange(text).float().view(1, -1, 1).expand(2, -1, 8),
+                 encoder_hidden_states_mask=mask, temb=torch.zeros(4, 8), image_rotary_emb=freqs,
+                 timestep_zero_index=zero_from, transformer_options={})
+    check = qwen._check_inputs(bound)
+    img_ids = check["hidden_states"][0, :, 0].long()
+    txt_ids = check["encoder_hidden_states"][0, :, 0].long()
+    zero = check["timestep_zero_index"]
+    assert 0 < zero < len(img_ids) and bool((img_ids[:zero] < zero_from).all()) and \
+        bool((img_ids[zero:] >= zero_from).all())
+    masked = check["encoder_hidden_states_mask"] != 0
+    assert bool(masked.any()) and not bool(masked.all())
+    assert torch.equal(check["encoder_hidden_states_mask"], mask[:, txt_ids])
+    rows = check["image_rotary_emb"].flatten().long()
+    assert torch.equal(rows, torch.cat((txt_ids, text + img_ids)))
+
+
+def test_text_mask_equals_stock(env, split_everything):
+    """A text mask (padding at the end of a prompt): where ComfyUI's attention applies it (v0.33), the pack
+    does too; where it ignores it (v0.8.0), the self-check sees that and the call runs ComfyUI's own."""
+    torch = env.torch
+    base = qwen_model()
+    mask = torch.ones(1, 12, dtype=torch.long)
+    mask[:, 8:] = 0
+    inputs = qwen_inputs(torch, attention_mask=mask)
+    reference = forward(base, inputs)
+    applies_mask = rel_err(forward(base, qwen_inputs(torch)), reference) > 1e-6
+    for bounds in (False, True):
+        patched, _ = env.node.apply_patch(base, "High", "sdpa", bounds)
+        env.core.reset_notices()
+        out = forward(base, inputs, applied=patched)
+        fallbacks = stock_fallbacks(env)
+        assert rel_err(out, reference) <= 1e-5, (bounds, rel_err(out, reference))
+        if applies_mask:
+            assert not fallbacks, fallbacks
+        else:
+            assert fallbacks and all("the outputs differ" in line for line in fallbacks), fallbacks
+
+
+def test_batch_of_two_and_bf16(env, split_everything):
+    torch = env.torch
+    base = qwen_model()
+    inputs = qwen_inputs(torch, latent=(2, 16, 1, 16, 16))
+    reference = forward(base, inputs)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert not stock_fallbacks(env)
+    base.model.diffusion_model.to(torch.bfloat16)
+    inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in inputs.items()}
+    stock16 = forward(base, inputs16).float()
+    ours16 = forward(base, inputs16, applied=patched).float()
+    assert not stock_fallbacks(env)
+    # bf16 round-off of a reordered computation, next to stock's own distance from float32
+    assert rel_err(ours16, reference) <= 2 * rel_err(stock16, reference) + 1e-2
+
+
+@pytest.mark.parametrize("bounds", [False, True], ids=["attention", "block"])
+def test_another_nodes_attn1_patch_runs_stock(env, split_everything, bounds):
+    torch = env.torch
+    base = qwen_model()
+    inputs = qwen_inputs(torch)
+    seen = []
+
+    def hook(q, k, v, pe=None, attn_mask=None, extra_options=None):
+        seen.append(q.shape)
+        return {"q": q * 1.5}
+    base.set_model_attn1_patch(hook)
+    reference = forward(base, inputs)
+    count = len(seen)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", bounds)
+    env.core.reset_notices()
+    out = forward(base, inputs, applied=patched)
+    assert any("attn1_patch hook needs whole q/k/v" in line for line in stock_fallbacks(env))
+    assert len(seen) == 2 * count   # the hook ran in every attention again (none on v0.8.0: it never calls it)
+    assert rel_err(out, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("bounds", [False, True], ids=["attention", "block"])
+def test_a_dit_block_replacement_wraps_the_pack_block(env, split_everything, bounds):
+    """`patches_replace["dit"]` (block swap, caching nodes): the replacement calls the original block, which
+    runs the pack's forwards, and may read its input after the call (the pack's block does not write it)."""
+    torch = env.torch
+    base = qwen_model()
+    inputs = qwen_inputs(torch)
+    calls = []
+
+    def replace(args, extra):
+        before = args["img"].clone()
+        out = extra["original_block"](args)
+        calls.append(torch.equal(args["img"], before))
+        return {"img": out["img"] * 0.9 + args["img"] * 0.1, "txt": out["txt"]}
+    hooked = base.clone()
+    hooked.set_model_patch_replace(replace, "dit", "double_block", 0)
+    reference = forward(hooked, inputs)
+    assert calls == [True]
+    del calls[:]
+    patched, _ = env.node.apply_patch(hooked, "High", "sdpa", bounds)
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert calls == [True]
+    assert not stock_fallbacks(env)
+
+
+def test_unsupported_layout_and_unknown_arguments_run_stock(env, qwen, split_everything, monkeypatch):
+    """A block whose MLP is not Qwen-Image's FeedForward keeps ComfyUI's block (one report line; its
+    attention is still patched); a call with an argument the pack does not know (a newer ComfyUI's) runs
+    ComfyUI's own."""
+    torch = env.torch
+    base = qwen_model()
+    inputs = qwen_inputs(torch)
+    block = base.model.diffusion_model.transformer_blocks[1]
+    mlp = block.img_mlp
+    block.img_mlp = torch.nn.Sequential(mlp.net[0], mlp.net[2])   # the same math in another layout
+    reference = forward(base, inputs)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert patched_counts(report) == {"attention": 2, "block": 1}
+    lines = [line for line in report.lines() if "runs as before" in line]
+    assert lines == ["Qwen-Image: diffusion_model.transformer_blocks.1 (block) runs as before: img_mlp is not "
+                     "Qwen-Image's FeedForward"]
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert not stock_fallbacks(env)
+
+    attention_class = type(block.attn)
+    stock_forward = attention_class.forward
+
+    def newer_forward(self, *args, new_argument=None, **kwargs):   # a ComfyUI that added an argument
+        return stock_forward(self, *args, **kwargs)
+    monkeypatch.setattr(attention_class, "forward", newer_forward)
+    ours = qwen.attention_forward(block.attn, env.node.QKVConfig(3, "sdpa", True))
+    g = torch.Generator().manual_seed(3)
+    img, txt = torch.randn(1, 20, 128, generator=g), torch.randn(1, 5, 128, generator=g)
+    freqs = base.model.diffusion_model.pe_embedder(torch.zeros(1, 25, 3))
+    with torch.no_grad():
+        stock = stock_forward(block.attn, img, txt, image_rotary_emb=freqs)
+        env.core.reset_notices()
+        out = ours(img, txt, image_rotary_emb=freqs, new_argument=1)
+    assert [line for line in stock_fallbacks(env) if "new_argument" in line]
+    assert all(torch.equal(a, b) for a, b in zip(out, stock))
+
+
+def test_mageflow_blocks_are_patched(env, split_everything):
+    """MageFlow (ComfyUI v0.33+) is built from Qwen-Image's blocks."""
+    torch = env.torch
+    config = {"image_model": "mage_flow", "in_channels": 16, "out_channels": 16, "num_layers": 1,
+              "attention_head_dim": 32, "num_attention_heads": HEADS, "joint_attention_dim": TEXT_WIDTH,
+              "axes_dims_rope": [8, 12, 12]}
+    try:
+        base = qwen_model(config, "MageFlow")
+    except TypeError as error:   # a ComfyUI whose MageFlow takes other settings
+        pytest.skip(f"this ComfyUI builds no tiny MageFlow from this config: {error}")
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(x=torch.randn(1, 16, 16, 16, generator=g), timestep=torch.tensor([0.5]),
+                  context=torch.randn(1, 12, TEXT_WIDTH, generator=g))
+    check_every_level(env, base, inputs, layers=1)
