@@ -1,0 +1,134 @@
+"""One tiny random-weight model per adapted family, built from ComfyUI's own config classes, for the contract test
+(tests/test_family_contract.py). Each case's forward sees more tokens (all batch items) than the runtime's split
+floor (8,192), so the head split runs as it does on real sizes.
+
+A case: `build()` -> `Case` with the ModelPatcher, fresh forward inputs of its diffusion model, the key of one
+fused or q projection weight (for a LoRA), and conditioning for a short `comfy.sample.sample` run.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import pytest
+
+import comfy_env
+
+
+class Case(NamedTuple):
+    patcher: object
+    inputs: Callable[[], dict]          # fresh kwargs of patcher.model.diffusion_model
+    lora_key: str                       # a q/k/v (or fused qkv) weight the LoRA test patches
+    latent: object                      # an empty latent for sampling
+    conds: Callable[[], tuple]          # (positive, negative) for comfy.sample.sample
+    kv_heads: int
+
+
+def _patcher(model):
+    import torch
+    import comfy.model_patcher
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+
+
+def _model(config_class: str, config: dict):
+    import torch
+    import comfy.supported_models
+    cls = getattr(comfy.supported_models, config_class, None)
+    if cls is None:
+        pytest.skip(f"this ComfyUI has no {config_class}")
+    model_config = cls(dict(config))
+    model_config.set_inference_dtype(torch.float32, None)
+    try:
+        return model_config.get_model({}, device=torch.device("cpu"))
+    except Exception as error:   # noqa: BLE001 - a ComfyUI whose model takes other settings
+        pytest.skip(f"this ComfyUI builds no tiny {config_class}: {type(error).__name__}: {error}")
+
+
+def wan() -> Case:
+    import torch
+    patcher = comfy_env.make_wan("t2v", dim=128, heads=4, layers=1)
+    size = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens
+
+    def conds():
+        return comfy_env.make_conds(patcher, "t2v", frames=2, h=64, w=88)
+    return Case(patcher, lambda: comfy_env.make_inputs(patcher.model, "t2v", **size),
+                "diffusion_model.blocks.0.self_attn.q.weight",
+                torch.zeros(1, 16, 2, 64, 88), conds, 4)
+
+
+FLUX1 = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
+         "hidden_size": 128, "mlp_ratio": 4.0, "num_heads": 4, "depth": 1, "depth_single_blocks": 1,
+         "axes_dim": [8, 12, 12], "theta": 10000, "qkv_bias": True, "guidance_embed": False, "patch_size": 2,
+         "txt_ids_dims": []}
+
+
+def flux() -> Case:
+    import torch
+    import comfy.ldm.flux.model as flux_model
+    config = dict(FLUX1)
+    if "txt_ids_dims" not in getattr(flux_model.FluxParams, "__dataclass_fields__", {}):
+        del config["txt_ids_dims"]
+    patcher = _patcher(_model("Flux", config))
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timestep=torch.tensor([0.7, 0.7]),
+                    context=torch.randn(2, 12, 32, generator=g), y=torch.randn(2, 32, generator=g))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]],
+                [[torch.randn(1, 12, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]])
+    return Case(patcher, inputs, "diffusion_model.double_blocks.0.img_attn.qkv.weight",
+                torch.zeros(1, 16, 128, 128), conds, 4)
+
+
+HUNYUAN_VIDEO = {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
+                 "context_in_dim": 32, "hidden_size": 128, "mlp_ratio": 4.0, "num_heads": 4, "depth": 1,
+                 "depth_single_blocks": 1, "axes_dim": [8, 12, 12], "theta": 256, "patch_size": [1, 2, 2],
+                 "qkv_bias": True, "guidance_embed": False}
+
+
+def hunyuan_video() -> Case:
+    """HunyuanVideo 1.0 with a text padding mask (its `attention_mask`: the last text tokens are padding; the
+    model takes one mask for the batch, so the forward is one item of 8,192 tokens and sampling goes without)."""
+    import inspect
+    import torch
+    import comfy.ldm.hunyuan_video.model as hunyuan_model
+    config = dict(HUNYUAN_VIDEO)
+    fields = getattr(hunyuan_model.HunyuanVideoParams, "__dataclass_fields__", {})
+    for name, value in (("byt5", False), ("meanflow", False), ("use_cond_type_embedding", False),
+                        ("vision_in_dim", None), ("meanflow_sum", False)):
+        if name in fields:
+            config.setdefault(name, value)
+    patcher = _patcher(_model("HunyuanVideo", config))
+    takes_mask = "attention_mask" in inspect.signature(hunyuan_model.HunyuanVideo.forward).parameters
+
+    def text_mask(batch):
+        mask = torch.ones(batch, 16)
+        mask[:, 10:] = 0   # padding
+        return mask
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        out = dict(x=torch.randn(1, 16, 2, 64, 256, generator=g), timestep=torch.tensor([700.0]),
+                   context=torch.randn(1, 16, 32, generator=g), y=torch.randn(1, 32, generator=g))
+        if takes_mask:
+            out["attention_mask"] = text_mask(1)
+        return out
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        extra = {"pooled_output": torch.randn(1, 32, generator=g)}
+        return ([[torch.randn(1, 16, 32, generator=g), dict(extra)]],
+                [[torch.randn(1, 16, 32, generator=g), dict(extra)]])
+    return Case(patcher, inputs, "diffusion_model.double_blocks.0.img_attn.qkv.weight",
+                torch.zeros(1, 16, 2, 64, 128), conds, 4)
+
+
+CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video}
+
+
+def case(name: str) -> Optional[Case]:
+    return CASES[name]()

@@ -1,0 +1,100 @@
+"""The contract every family adapter meets, one parametrized test per promise (tests/family_cases.py builds the
+tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
+at every level, with and without block bounds, and really splits; a short sampling run equals stock; a LoRA on a
+q/k/v (or fused qkv) weight gives the LoRA's output; the unpatched model is stock again. Skipped without
+ComfyUI."""
+from __future__ import annotations
+
+import pytest
+
+import comfy_env
+import family_cases
+
+pytestmark = pytest.mark.comfyui
+
+LEVELS = ("Off", "Low", "Medium", "High")
+
+
+@pytest.fixture(scope="module")
+def env():
+    return comfy_env.pack_modules()
+
+
+def _forward(case, applied=None, weights=False):
+    """The diffusion model's output with `applied`'s patches in place (its object patches; with `weights`, its
+    weight patches too, e.g. a LoRA); None: as loaded."""
+    import torch
+    if applied is not None:
+        applied.patch_model(device_to=torch.device("cpu"), load_weights=weights)
+    try:
+        inputs = case.inputs()
+        inputs["transformer_options"] = {**inputs.get("transformer_options", {}),
+                                         **(applied or case.patcher).model_options.get("transformer_options", {})}
+        with torch.no_grad():
+            return case.patcher.model.diffusion_model(**inputs)
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=weights)
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _fallbacks(env):
+    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_patched_equals_stock_at_every_level(env, family):
+    case = family_cases.case(family)
+    reference = _forward(case)
+    for level in LEVELS:
+        for bounds in (False, True):
+            patched, report = env.node.apply_patch(case.patcher, level, "sdpa", bounds)
+            assert report.any_patched and not report.skipped_reasons, report.lines()
+            env.core.reset_notices()
+            with comfy_env.SdpaHeads(env.torch) as spy:
+                out = _forward(case, applied=patched)
+            assert not _fallbacks(env), (family, level, bounds)
+            assert rel_err(out, reference) <= 1e-5, (family, level, bounds, rel_err(out, reference))
+            groups = env.core.group_count(case.kv_heads, 10**6, LEVELS.index(level))
+            assert case.kv_heads // groups in spy.self_heads, (family, level, spy.self_heads)
+    assert env.torch.equal(_forward(case), reference)   # the unpatched model is stock again
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_sampling_equals_stock(env, family):
+    import comfy.sample
+    case = family_cases.case(family)
+
+    def sample(patcher):
+        positive, negative = case.conds()
+        noise = comfy.sample.prepare_noise(case.latent, 0)
+        return comfy.sample.sample(patcher, noise, 2, 4.0, "euler", "simple", positive, negative, case.latent,
+                                   disable_pbar=True, seed=0)
+    stock = sample(case.patcher)
+    patched, _ = env.node.apply_patch(case.patcher, "High", "auto", True)
+    env.core.reset_notices()
+    ours = sample(patched)
+    assert not _fallbacks(env)
+    assert rel_err(ours, stock) <= 1e-4
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_lora_on_the_projection_weight(env, family):
+    torch = env.torch
+    case = family_cases.case(family)
+    plain = _forward(case)
+    weight = case.patcher.model.get_parameter(case.lora_key)
+    lora = case.patcher.clone()
+    lora.add_patches({case.lora_key: (torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
+                                      * 0.05,)}, 1.0)
+    stock_lora = _forward(case, applied=lora, weights=True)
+    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
+    env.core.reset_notices()
+    ours_lora = _forward(case, applied=patched, weights=True)
+    assert not _fallbacks(env)
+    assert rel_err(stock_lora, plain) > 1e-3             # the LoRA changes the output
+    assert rel_err(ours_lora, stock_lora) <= 1e-5
+    assert rel_err(_forward(case), plain) <= 1e-6         # and is gone afterwards
