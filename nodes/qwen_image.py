@@ -241,8 +241,11 @@ def _refuse_call(bound) -> Optional[str]:
         return f"another node's {', '.join(inside)} hook needs whole q/k/v"
     if bound.get("attention_mask") is not None:
         return "an attention_mask argument (ComfyUI's blocks pass none; its use differs between versions)"
+    txt = bound.get("encoder_hidden_states")
+    if not torch.is_tensor(txt) or txt.dim() != 3:
+        return "no text stream (batch, tokens, width)"
     mask = bound.get("encoder_hidden_states_mask")
-    if mask is not None and (mask.dim() > 2 or mask.shape[-1] != bound["encoder_hidden_states"].shape[1]):
+    if mask is not None and (mask.dim() > 2 or mask.shape[-1] != txt.shape[1]):
         return f"a text mask of shape {tuple(mask.shape)} (the pack takes (batch, text tokens))"
     return None
 
