@@ -149,7 +149,8 @@ class PerHeadNormRope:
             if id(norm) not in self._weights:
                 self._weights[id(norm)] = (norm_weight(norm, t),)
             weight = self._weights[id(norm)][0]
-            eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps   # torch's default
+            # torch's default: the epsilon of the type it computes in (float32 for 16-bit tensors too)
+            eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(t.dtype, torch.float32)).eps
         freqs = None if self.freqs is None else self.freqs[:, start:stop]
         return kernels.norm_rope_(t[:, start:stop], None, weight, freqs, head_norm_eps=eps)
 

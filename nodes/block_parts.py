@@ -3,6 +3,7 @@ chunks, in place, with its weights cast once. A family's block (`nodes/wan.py`, 
 with what is its own (modulation, the order of its residual updates)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import torch
@@ -15,6 +16,23 @@ from .comfy_ops import CastLinear, even_chunk_tokens, not_row_sliceable, token_r
 FFN_CHUNK_FRACTION = 2
 
 
+@dataclasses.dataclass(frozen=True)
+class GatedMLP:
+    """A gated feed-forward, `down(combine_(gate(x), up(x)))` (SwiGLU and kin: LLaMA-style `w1`, `w3`, `w2`),
+    by the names of its three Linears in the MLP module. `combine_(gate_out, up_out)` returns the hidden
+    activation `(B, n, hidden)` and may overwrite `gate_out` (both are the chunk's own, freed after)."""
+
+    gate: str
+    up: str
+    down: str
+    combine_: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def linears(self, mlp) -> Optional[tuple]:
+        """The (gate, up, down) layers of `mlp`, or None when it lacks one of them."""
+        layers = tuple(getattr(mlp, name, None) for name in (self.gate, self.up, self.down))
+        return layers if all(getattr(layer, "weight", None) is not None for layer in layers) else None
+
+
 def _hidden_width(mlp) -> int:
     first = mlp[0] if isinstance(mlp, torch.nn.Sequential) and len(mlp) else None
     weight = getattr(first, "weight", None)
@@ -24,18 +42,40 @@ def _hidden_width(mlp) -> int:
 class ChunkedMLP:
     """`mlp` for several token chunks of one call. A `Sequential(Linear, activation, Linear)` with plain or
     castable weights is cast once (`CastLinear`) and a GELU runs in place on the chunk's hidden activation, the
-    only wide transient; any other MLP or weight format runs the module itself on each chunk (its own fused
-    quantized matmuls, GGUF, ...). `release()` when done."""
+    only wide transient; a `gated` MLP (`GatedMLP`) has its three layers cast once (a layer with its own
+    format runs itself) and holds two hidden activations of the chunk at most; any other MLP or weight format
+    runs the module itself on each chunk (its own fused quantized matmuls, GGUF, ...). `release()` when done."""
 
-    def __init__(self, mlp, like: torch.Tensor):
+    def __init__(self, mlp, like: torch.Tensor, gated: Optional[GatedMLP] = None):
         self.mlp = mlp
+        self.gated_layers = None
+        self.up = self.down = None
+        layers = gated.linears(mlp) if gated is not None else None
+        if layers is not None:
+            self.combine_ = gated.combine_
+            self.hidden_width = int(layers[0].weight.shape[0])
+            self.gated_layers = tuple(CastLinear(layer, like) for layer in layers)
+            return
         self.hidden_width = _hidden_width(mlp)
         plain = isinstance(mlp, torch.nn.Sequential) and len(mlp) == 3 and hasattr(mlp[0], "weight") and \
             hasattr(mlp[2], "weight") and not_row_sliceable(mlp[0]) is None and not_row_sliceable(mlp[2]) is None
         self.up = CastLinear(mlp[0], like) if plain else None
         self.down = CastLinear(mlp[2], like) if plain else None
 
+    @property
+    def hidden_per_token(self) -> int:
+        """Hidden activations of one token held at once (a gated MLP holds its gate's and its up's)."""
+        return self.hidden_width * (2 if self.gated_layers is not None else 1)
+
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if self.gated_layers is not None:
+            gate, up, down = self.gated_layers
+            gate_out = gate(t)
+            up_out = up(t)
+            del t
+            hidden = self.combine_(gate_out, up_out)
+            del gate_out, up_out
+            return down(hidden)
         if self.up is None:
             return self.mlp(t)
         hidden = self.up(t)
@@ -48,21 +88,22 @@ class ChunkedMLP:
         return self.down(hidden)
 
     def release(self) -> None:
-        for cast in (self.up, self.down):
+        for cast in (self.up, self.down) + (self.gated_layers or ()):
             if cast is not None:
                 cast.release()
-        self.up = self.down = None
+        self.up = self.down = self.gated_layers = None
 
 
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],
                   add_: Callable[[torch.Tensor, torch.Tensor, int, int], None],
-                  fraction: int = FFN_CHUNK_FRACTION) -> None:
+                  fraction: int = FFN_CHUNK_FRACTION, gated: Optional[GatedMLP] = None) -> None:
     """`residual` (B, N, C) += its feed-forward, by token chunks, in place: for each chunk [a, b),
     `add_(residual[:, a:b], mlp(mlp_input(a, b)), a, b)` (the family's gate and sum). `mlp_input(a, b)` makes
-    the chunk's input (e.g. norm + modulation of `residual[:, a:b]`); it is freed once the MLP has read it."""
+    the chunk's input (e.g. norm + modulation of `residual[:, a:b]`); it is freed once the MLP has read it.
+    `gated`: the MLP's layout when it is a gated one (see `ChunkedMLP`)."""
     batch, tokens, _ = residual.shape
-    chunked = ChunkedMLP(mlp, residual)
-    step = even_chunk_tokens(tokens, batch * chunked.hidden_width, max(1, residual.numel() // fraction))
+    chunked = ChunkedMLP(mlp, residual, gated)
+    step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() // fraction))
     try:
         for a, b in token_ranges(tokens, step):
             out = chunked(mlp_input(a, b))
@@ -101,4 +142,4 @@ def foreign_part(block) -> Optional[str]:
     return None
 
 
-__all__ = ["ChunkedMLP", "mlp_residual_", "projection_residual_", "foreign_part", "FFN_CHUNK_FRACTION"]
+__all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "foreign_part", "FFN_CHUNK_FRACTION"]

@@ -1,0 +1,385 @@
+"""Lumina2 / Z-Image adapter (`comfy/ldm/lumina/model.py`'s `NextDiT`: Lumina Image 2.0, Z-Image and its
+Omni / pixel-space variants, NewBie): its `JointAttention` and `JointTransformerBlock`.
+
+The attention: one fused `qkv` Linear giving [q, k, v] with grouped-query attention (`n_kv_heads` key/value
+heads; query head i uses key/value head i // n_rep), RMSNorm over each head's channels (`q_norm` / `k_norm`,
+or none) and RoPE on adjacent pairs in float32, over one sequence that joins whatever the model put in it
+(text, image, reference tokens). It runs through `nodes/attention.py` with head groups of whole key/value
+heads, each group's q/k/v computed from that group's rows of `qkv`. Patched always, at the attention level.
+ComfyUI v0.33 normalizes and rotates q and k with comfy-kitchen's fused `rms_rope`: the norm module's math
+(torch's RMSNorm computes in float32, with float32's epsilon where the norm has none) then pair RoPE in float32,
+which is what runs here (a fused CUDA kernel may round once less: 16-bit round-off).
+
+With block bounds on, `JointTransformerBlock.forward` as well (the modulated and the refiner blocks): the
+modulated input (norm, adaLN scale) is made by token chunks and handed off to the runtime, the output
+projection runs into a fresh tensor that becomes the block's output (ComfyUI's block does not write its input
+and the model keeps it for other nodes' patches: `img_input`), the post-norm, gate and residual are added by
+token chunks, and the SwiGLU feed-forward runs by token chunks into that output, its three layers cast once
+(`block_parts.GatedMLP`). Per-token-range modulation (Z-Image Omni's `timestep_zero_index`) goes through
+ComfyUI's own `modulate` / `apply_gate` on each chunk's share of the ranges.
+
+Guarded and self-checked like every forward of the pack (`compat.guard_module`): a call with arguments the
+pack's forward does not take (a newer ComfyUI handing a fused qkv product to the attention, say) runs stock.
+ComfyUI's Lumina forwards call no q/k/v hooks of other nodes (the self-check, whose probes stand in for those
+hooks, would tell if one did); an attention override is chained through `nodes/dispatch.py`.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+import comfy.ldm.lumina.model as lumina_model
+
+from . import compat
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend
+from .block_parts import GatedMLP, foreign_part, mlp_residual_
+from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module
+
+FAMILY = "Lumina2"
+# Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
+# so a run never plans for less than it uses).
+MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+
+NORMED = AttentionForm(streams=(StreamProjections(fused="qkv", norm_q="q_norm", norm_k="k_norm"),),
+                       norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
+UNNORMED = AttentionForm(streams=(StreamProjections(fused="qkv"),), rope=ROPE_PAIRS)
+
+# The arguments the pack's forwards take; a ComfyUI whose forward has others is left stock (probe).
+ATTENTION_ARGS = ("x", "x_mask", "freqs_cis", "transformer_options", "qkv")
+BLOCK_ARGS = ("x", "x_mask", "freqs_cis", "adaln_input", "timestep_zero_index", "transformer_options")
+# the block's submodules the bounded block computes itself (another node's patch on one: the block runs stock)
+BLOCK_PARTS = ("attention", "feed_forward", "attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2",
+               "adaLN_modulation")
+
+
+def _swiglu_(gate_out: torch.Tensor, up_out: torch.Tensor) -> torch.Tensor:
+    """`FeedForward`'s hidden activation, silu(w1 x) * w3 x (clamped in float16 as ComfyUI does), computed
+    in `gate_out`'s storage."""
+    return lumina_model.clamp_fp16(torch.nn.functional.silu(gate_out, inplace=True).mul_(up_out))
+
+
+SWIGLU = GatedMLP(gate="w1", up="w3", down="w2", combine_=_swiglu_)
+
+
+# --- probes -----------------------------------------------------------------------------------------------------
+def _forward_args(module) -> tuple:
+    """The parameter names of the module's own (class) forward, without self."""
+    return tuple(inspect.signature(type(module).forward).parameters)[1:]
+
+
+def _heads(attention) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head_dim)."""
+    return attention.n_local_heads, attention.n_local_kv_heads, attention.head_dim
+
+
+def _form(attention) -> AttentionForm:
+    return NORMED if attention.qk_norm else UNNORMED
+
+
+def _norm_ok(norm, dim: int) -> bool:
+    weight = getattr(norm, "weight", None)
+    return hasattr(norm, "eps") and (weight is None or tuple(weight.shape) == (dim,))
+
+
+def _linear_ok(linear, out_features: int, in_features: int) -> bool:
+    weight = getattr(linear, "weight", None)
+    return weight is not None and weight.dim() == 2 and tuple(weight.shape) == (out_features, in_features)
+
+
+def probe_attention(attention) -> Optional[str]:
+    """None when a `JointAttention` has the structure the pack's forward uses (whether it computes the same
+    is the self-check's job)."""
+    unknown = [name for name in _forward_args(attention) if name not in ATTENTION_ARGS]
+    if unknown:
+        return f"its forward takes arguments the pack's does not ({', '.join(unknown)})"
+    for name in ("n_local_heads", "n_local_kv_heads", "head_dim"):
+        if not isinstance(getattr(attention, name, None), int) or getattr(attention, name) <= 0:
+            return f"no {name}"
+    heads, kv_heads, head_dim = _heads(attention)
+    if heads % kv_heads:
+        return f"{heads} heads are not a multiple of {kv_heads} key/value heads"
+    if head_dim % 2:
+        return "an odd head_dim (RoPE rotates pairs)"
+    if not isinstance(getattr(attention, "qk_norm", None), bool):
+        return "no qk_norm"
+    reason = _form(attention).probe(attention, heads, head_dim, kv_heads)
+    if reason:
+        return reason
+    if attention.qk_norm and not all(_norm_ok(norm, head_dim) for norm in (attention.q_norm, attention.k_norm)):
+        return f"q_norm/k_norm are not RMSNorms over {head_dim} channels"
+    out = getattr(attention, "out", None)
+    if getattr(getattr(out, "weight", None), "shape", (None,))[-1] != heads * head_dim:
+        return f"out is not a Linear from {heads * head_dim} features"
+    return None
+
+
+def probe_block(block) -> Optional[str]:
+    """None when a `JointTransformerBlock` has the structure the bounded forward uses."""
+    unknown = [name for name in _forward_args(block) if name not in BLOCK_ARGS]
+    if unknown:
+        return f"its forward takes arguments the pack's does not ({', '.join(unknown)})"
+    attention = getattr(block, "attention", None)
+    if not isinstance(attention, lumina_model.JointAttention):
+        return "its attention is not a JointAttention"
+    reason = probe_attention(attention)
+    if reason:
+        return f"attention: {reason}"
+    dim = getattr(block, "dim", None)
+    if not isinstance(dim, int) or not _linear_ok(attention.out, dim, attention.n_local_heads * attention.head_dim):
+        return "attention.out does not map the heads back to the block's width"
+    for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
+        if not _norm_ok(getattr(block, name, None), dim):
+            return f"{name} is not an RMSNorm over {dim} channels"
+    layers = SWIGLU.linears(getattr(block, "feed_forward", None))
+    if layers is None:
+        return "its feed_forward is not w1, w3, w2"
+    w1, w3, w2 = layers
+    hidden = w1.weight.shape[0]
+    if not (_linear_ok(w1, hidden, dim) and _linear_ok(w3, hidden, dim) and _linear_ok(w2, dim, hidden)):
+        return "its feed_forward's w1, w3, w2 are not dim -> hidden, dim -> hidden, hidden -> dim"
+    if not isinstance(getattr(block, "modulation", None), bool):
+        return "no modulation flag"
+    if block.modulation:
+        modulation = getattr(block, "adaLN_modulation", None)
+        last = modulation[-1] if isinstance(modulation, torch.nn.Sequential) and len(modulation) else None
+        if getattr(getattr(last, "weight", None), "shape", (None,))[0] != 4 * dim:
+            return "its adaLN_modulation does not give four modulations"
+    return None
+
+
+# --- the attention ------------------------------------------------------------------------------------------------
+def attention_heads(attention, config, x_list: list, mask, freqs, transformer_options) -> torch.Tensor:
+    """The attention of `[x]` (cleared: the runtime frees x once projected), x `(B, N, dim)`: `(B, N, heads,
+    head_dim)`, head groups of whole key/value heads. `freqs` `(B or 1, N, 1, D/2, 2, 2)` float32 (the
+    model's `freqs_cis`), `mask` as the model passes it."""
+    heads, kv_heads, head_dim = _heads(attention)
+    return attend(attention, _form(attention), [x_list], heads, head_dim, config, transformer_options,
+                  freqs=freqs, mask=mask, kv_heads=kv_heads)
+
+
+def run_attention(attention, config, x, x_mask, freqs_cis, transformer_options={}, qkv=None):
+    """`JointAttention.forward`: the output projection of the attention of x."""
+    handed_off = [x]
+    del x   # the caller (ComfyUI's block) still holds its modulated input: nothing to free here
+    out = attention_heads(attention, config, handed_off, x_mask, freqs_cis, transformer_options)
+    return attention.out(out.flatten(2))
+
+
+# --- the block -----------------------------------------------------------------------------------------------------
+def _ranges_in(ranges, a: int, b: int) -> list:
+    """Token ranges [(start, stop), ...] (`timestep_zero_index`) as seen from the chunk [a, b)."""
+    out = []
+    for start, stop in ranges:
+        lo, hi = max(start, a), min(stop, b)
+        if lo < hi:
+            out.append((lo - a, hi - a))
+    return out
+
+
+def _modulate(t: torch.Tensor, scale, ranges, a: int, b: int) -> torch.Tensor:
+    """ComfyUI's `modulate` on the chunk [a, b) (t: the chunk's normed input, may be scaled in place); no
+    modulation for the refiner blocks (scale None)."""
+    if scale is None:
+        return t
+    if ranges is None:
+        return lumina_model.modulate(t, scale)
+    return lumina_model.modulate(t, scale, timestep_zero_index=_ranges_in(ranges, a, b))
+
+
+def _gate(gate, t: torch.Tensor, ranges, a: int, b: int) -> torch.Tensor:
+    """ComfyUI's `apply_gate` on the chunk [a, b) (gate `(B, 1, C)`, already tanh'd); none without modulation."""
+    if gate is None:
+        return t
+    if ranges is None:
+        return gate * t
+    return lumina_model.apply_gate(gate, t, timestep_zero_index=_ranges_in(ranges, a, b))
+
+
+def run_block(block, config, x, x_mask, freqs_cis, adaln_input=None, timestep_zero_index=None,
+              transformer_options={}):
+    """`JointTransformerBlock.forward` with every transient bounded; returns a new tensor (x is not written:
+    the model keeps the first block's input for other nodes' patches)."""
+    attention, ranges = block.attention, timestep_zero_index
+    if block.modulation:
+        scale_msa, gate_msa, scale_mlp, gate_mlp = block.adaLN_modulation(adaln_input).chunk(4, dim=1)
+        gate_msa, gate_mlp = gate_msa.unsqueeze(1).tanh(), gate_mlp.unsqueeze(1).tanh()
+    else:
+        scale_msa = gate_msa = scale_mlp = gate_mlp = None
+    batch, tokens, width = x.shape
+    step = chunk_tokens(tokens, batch * width, max(1, x.numel() // 8))
+    modulated = torch.empty_like(x)
+    for a, b in token_ranges(tokens, step):
+        modulated[:, a:b] = _modulate(block.attention_norm1(x[:, a:b]), scale_msa, ranges, a, b)
+    handed_off = [modulated]
+    del modulated   # the runtime holds the only reference and frees it once q/k/v are projected
+    heads = attention_heads(attention, config, handed_off, x_mask, freqs_cis, transformer_options)
+    handed_off = [heads.flatten(2)]
+    del heads
+    out = linear_handed_off(attention.out, handed_off, x)   # the block's output from here on
+    for a, b in token_ranges(tokens, step):
+        update = _gate(gate_msa, block.attention_norm2(lumina_model.clamp_fp16(out[:, a:b])), ranges, a, b)
+        torch.add(x[:, a:b], update, out=out[:, a:b])
+        del update
+
+    def ffn_input(a, b):
+        return _modulate(block.ffn_norm1(out[:, a:b]), scale_mlp, ranges, a, b)
+
+    def add_(part, ffn_out, a, b):
+        if block.modulation:   # ComfyUI clamps the modulated blocks' FFN output in float16
+            ffn_out = lumina_model.clamp_fp16(ffn_out)
+        part += _gate(gate_mlp, block.ffn_norm2(ffn_out), ranges, a, b)
+
+    mlp_residual_(out, block.feed_forward, ffn_input, add_, gated=SWIGLU)
+    return out
+
+
+# --- guards ----------------------------------------------------------------------------------------------------------
+def _stock_functions(module) -> tuple:
+    """ComfyUI's forward functions whose math a forward of the pack replaces."""
+    if isinstance(module, lumina_model.JointAttention):
+        return (type(module).forward,)
+    return (type(module).forward, type(module.attention).forward, type(module.feed_forward).forward)
+
+
+def _hooks(options) -> frozenset:
+    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
+
+
+def _refuse_attention_call(bound) -> Optional[str]:
+    if bound.get("qkv") is not None:
+        return "the block handed in its own q/k/v product"
+    return None
+
+
+def _signature(kind: str, module, config, bound: dict) -> tuple:
+    options = bound.get("transformer_options") or {}
+    x, mask, freqs = bound["x"], bound.get("x_mask"), bound.get("freqs_cis")
+    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
+            _hooks(options), "optimized_attention_override" in options,
+            None if mask is None else (mask.dim(), mask.dtype), None if freqs is None else freqs.dim(),
+            bound.get("adaln_input") is None, bound.get("timestep_zero_index") is None)
+
+
+def _first_tokens_mask(mask, tokens: int, n: int):
+    """`mask` restricted to the first `n` of `tokens` tokens, on its query and key dims where they span them."""
+    if mask is None:
+        return None
+    out = mask
+    for dim in (-1, -2):
+        if out.dim() >= -dim and out.shape[dim] == tokens:
+            out = out.narrow(dim, 0, n)
+    return out.clone()
+
+
+def _check_inputs(bound: dict) -> dict:
+    """The call's first tokens (all batch items: Z-Image Omni's modulation has twice the batch of x), with
+    their RoPE rows, mask entries and modulation ranges; probes for other nodes' hooks."""
+    x = bound["x"]
+    tokens = x.shape[1]
+    n = compat.check_tokens(tokens)
+    freqs, ranges = bound.get("freqs_cis"), bound.get("timestep_zero_index")
+    out = dict(bound)
+    out.update(x=x[:, :n].clone(), x_mask=_first_tokens_mask(bound.get("x_mask"), tokens, n),
+               freqs_cis=None if freqs is None else freqs[:, :n].clone(),
+               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
+    if ranges is not None:
+        out["timestep_zero_index"] = _ranges_in(ranges, 0, n)
+    return out
+
+
+def _guard(kind: str, what: str, module, run, config, residual=None, refuse_call=None, refuse_more=None):
+    names = _forward_args(module)
+
+    def ours_factory(module, config):
+        def forward(*args, **kwargs):
+            return run(module, config, **compat.bind_args(names, args, kwargs))
+        return forward
+    return compat.guard_module(
+        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
+        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
+        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=refuse_call,
+        refuse_more=refuse_more)
+
+
+def attention_forward(attention, config):
+    """The guarded forward installed on a `JointAttention`."""
+    return _guard("attention", f"{FAMILY} attention", attention, run_attention, config,
+                  refuse_call=_refuse_attention_call)
+
+
+def block_forward(block, config):
+    """The guarded bounded forward installed on a `JointTransformerBlock` (block bounds on)."""
+    return _guard("block", f"{FAMILY} block", block, run_block, config, residual="x", refuse_more=foreign_part)
+
+
+# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------------
+BLOCK_LISTS = ("context_refiner", "siglip_refiner", "noise_refiner", "layers")
+
+
+def _blocks(model):
+    for list_name in BLOCK_LISTS:
+        blocks = getattr(model, list_name, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            for index, block in enumerate(blocks):
+                if isinstance(block, lumina_model.JointTransformerBlock):
+                    yield f"diffusion_model.{list_name}.{index}", block
+
+
+def matches(diffusion_model) -> bool:
+    """A model built from Lumina's `JointTransformerBlock`s (Lumina 2, Z-Image, NewBie, ...)."""
+    return next(_blocks(diffusion_model), None) is not None
+
+
+def patch(patcher, config, report) -> None:
+    """Object patches on `patcher` (a clone): every attention that probes clean, and with block bounds every
+    block. A module another node patched keeps that patch (its block then runs stock, calling it)."""
+    for path, block in _blocks(patcher.model.diffusion_model):
+        attention = getattr(block, "attention", None)
+        if isinstance(attention, lumina_model.JointAttention):
+            patch_module(patcher, report, FAMILY, f"{path}.attention", "attention",
+                         lambda attention=attention: attention_forward(attention, config),
+                         lambda attention=attention: probe_attention(attention))
+        if config.block:
+            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
+                         lambda block=block: probe_block(block), parts=BLOCK_PARTS)
+
+
+def stock_functions(diffusion_model) -> set:
+    functions = set()
+    for _, block in _blocks(diffusion_model):
+        functions.update(_stock_functions(block))
+    return functions
+
+
+def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
+    """Image tokens of one batch item for a latent `(B, C, H, W)` (or `(B, C, T, H, W)`); the text and
+    padding tokens come on top (not known here)."""
+    if latent_shape is None or len(latent_shape) not in (4, 5):
+        return None
+    patch_size = int(getattr(diffusion_model, "patch_size", 2))
+    count = 1
+    for size in latent_shape[-2:]:
+        count *= -(-int(size) // patch_size)
+    return count * (int(latent_shape[2]) if len(latent_shape) == 5 else 1)
+
+
+def _first_attention(diffusion_model):
+    for _, block in _blocks(diffusion_model):
+        return getattr(block, "attention", None)
+    return None
+
+
+def kv_heads(diffusion_model) -> Optional[int]:
+    kv = getattr(_first_attention(diffusion_model), "n_local_kv_heads", None)
+    return kv if isinstance(kv, int) else None
+
+
+def splits_projections(diffusion_model) -> Optional[str]:
+    attention = _first_attention(diffusion_model)
+    if attention is None:
+        return "no blocks"
+    reason = not_row_sliceable(getattr(attention, "qkv", None))
+    return None if reason is None else f"qkv: {reason}"
