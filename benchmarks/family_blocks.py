@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..nodes import flux
+from ..nodes import flux, qwen_image
 from ..nodes.dispatch import QKVConfig
 from . import memory
 
@@ -77,11 +77,43 @@ def flux_case(which: str, img_tokens: int, txt_tokens: int, width=3072, heads=24
     return build
 
 
+def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24):
+    """ComfyUI's `QwenImageTransformerBlock` (Qwen-Image: width 3072, 24 heads of 128) on a square image of
+    `side_tokens`^2 patches and a prompt, RoPE ids as the model makes them."""
+    def build(device, dtype):
+        import comfy.ldm.qwen_image.model as qwen_model
+        import comfy.ldm.flux.layers as layers
+        import comfy.ops
+        block = qwen_model.QwenImageTransformerBlock(width, heads, width // heads, dtype=dtype, device=device,
+                                                     operations=comfy.ops.disable_weight_init)
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+                else:
+                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+        rows, cols = torch.meshgrid(torch.arange(side_tokens), torch.arange(side_tokens), indexing="ij")
+        img_ids = torch.stack((torch.zeros_like(rows), rows - side_tokens // 2, cols - side_tokens // 2), -1)
+        txt_ids = (side_tokens // 2 + torch.arange(text_tokens)).view(-1, 1).expand(-1, 3)
+        ids = torch.cat((txt_ids, img_ids.reshape(-1, 3))).unsqueeze(0).float().to(device)
+        freqs = layers.EmbedND(dim=width // heads, theta=10000, axes_dim=[16, 56, 56])(ids).to(dtype).contiguous()
+        g = torch.Generator(device=device).manual_seed(1)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+        inputs = dict(hidden_states=randn(1, side_tokens ** 2, width), encoder_hidden_states=randn(1, text_tokens, width),
+                      encoder_hidden_states_mask=None, temb=randn(1, width), image_rotary_emb=freqs)
+        return block.eval(), inputs, "hidden_states", qwen_image.block_forward
+    return build
+
+
 HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
 CASES = {case.name: case for case in (
     Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
          flux_case("double", 16384, 512)),
     Case("flux-single-2048", "Flux-dev single block, 2048^2 (16,896 tokens)", flux_case("single", 16384, 512)),
+    Case("qwen-image-1328", "Qwen-Image block, 1328^2 (6,889 image + 256 text tokens)", qwen_image_case(83, 256)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",
