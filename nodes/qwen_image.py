@@ -134,6 +134,26 @@ def joint_key_mask(text_mask: Optional[torch.Tensor], img: torch.Tensor, text_to
     return mask
 
 
+def rope_token_dim(freqs: torch.Tensor, tokens: int) -> Optional[int]:
+    """The token dimension of pair-RoPE frequencies over `tokens` joint tokens: 2 in the heads-first layout
+    `(B, 1, N, D/2, 2, 2)` ComfyUI v0.8+ passes, 1 in the tokens-first `(B, N, 1, D/2, 2, 2)` of older ones;
+    None for another layout."""
+    if freqs.dim() != 6 or tuple(freqs.shape[-2:]) != (2, 2):
+        return None
+    if freqs.shape[1] == 1 and freqs.shape[2] == tokens:
+        return 2
+    if freqs.shape[1] == tokens and freqs.shape[2] == 1:
+        return 1
+    return None
+
+
+def runtime_freqs(freqs: Optional[torch.Tensor], tokens: int) -> Optional[torch.Tensor]:
+    """The frequencies in the runtime's tokens-first layout (a view)."""
+    if freqs is None or rope_token_dim(freqs, tokens) == 1:
+        return freqs
+    return token_freqs(freqs)
+
+
 def _cut(zero_from: Optional[int], a: int, b: int) -> Optional[int]:
     """`timestep_zero_index` as seen from the chunk [a, b) (tokens from it on take the zero timestep's
     modulation)."""
@@ -180,14 +200,15 @@ def gated_add(mod: torch.Tensor, zero_from: Optional[int]):
 def run_attention(attn, config, hidden_states, encoder_hidden_states=None, encoder_hidden_states_mask=None,
                   attention_mask=None, image_rotary_emb=None, transformer_options={}):
     """`Attention.forward`: (image output `(B, N_img, C)`, text output `(B, N_txt, C)`) of the image stream
-    `hidden_states` and the text stream `encoder_hidden_states`. `image_rotary_emb`: Flux-layout pair-RoPE
-    frequencies `(B or 1, 1, N_txt + N_img, D/2, 2, 2)`. (`attention_mask` is refused by the guard.)"""
+    `hidden_states` and the text stream `encoder_hidden_states`. `image_rotary_emb`: pair-RoPE frequencies
+    over the joint tokens (see `rope_token_dim`). (`attention_mask` is refused by the guard.)"""
     text_tokens = encoder_hidden_states.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, hidden_states, text_tokens)
+    freqs = runtime_freqs(image_rotary_emb, text_tokens + hidden_states.shape[1])
     streams = [[encoder_hidden_states], [hidden_states]]
     del hidden_states, encoder_hidden_states
     attention = attend(attn, FORM, streams, attn.heads, attn.dim_head, config, transformer_options,
-                       freqs=token_freqs(image_rotary_emb), mask=mask).flatten(2)
+                       freqs=freqs, mask=mask).flatten(2)
     del mask
     img = attn.to_out[1](attn.to_out[0](attention[:, text_tokens:]))
     txt = attn.to_add_out(attention[:, :text_tokens])
@@ -209,7 +230,7 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
                   [modulated_input(block, block.img_norm1, img, img_mod1, zero_from)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected
     attention = attend(attn, FORM, handed_off, attn.heads, attn.dim_head, config, transformer_options,
-                       freqs=token_freqs(image_rotary_emb), mask=mask).flatten(2)
+                       freqs=runtime_freqs(image_rotary_emb, text_tokens + img.shape[1]), mask=mask).flatten(2)
     del mask
     img_out, txt_out = img.clone(), txt.clone()   # the outputs: the updates are added into them in place
     projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:], gated_add(img_mod1, zero_from))
@@ -247,14 +268,19 @@ def _refuse_call(bound) -> Optional[str]:
     mask = bound.get("encoder_hidden_states_mask")
     if mask is not None and (mask.dim() > 2 or mask.shape[-1] != txt.shape[1]):
         return f"a text mask of shape {tuple(mask.shape)} (the pack takes (batch, text tokens))"
+    freqs = bound.get("image_rotary_emb")
+    if freqs is not None and rope_token_dim(freqs, txt.shape[1] + bound["hidden_states"].shape[1]) is None:
+        return f"RoPE frequencies of shape {tuple(freqs.shape)} (the pack takes pairs over the joint tokens)"
     return None
 
 
 def _signature(kind: str, module, config, bound: dict) -> tuple:
-    mask, img = bound.get("encoder_hidden_states_mask"), bound["hidden_states"]
+    mask, img, freqs = bound.get("encoder_hidden_states_mask"), bound["hidden_states"], bound.get("image_rotary_emb")
+    tokens = img.shape[1] + bound["encoder_hidden_states"].shape[1]
     options = bound.get("transformer_options") or {}
     return (kind, _stock_functions(module), compat.layers_signature(module), img.dtype, img.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, bound.get("image_rotary_emb") is None,
+            _hooks(options), "optimized_attention_override" in options,
+            None if freqs is None else (rope_token_dim(freqs, tokens), freqs.dtype),
             None if mask is None else (mask.dim(), mask.dtype), bound.get("timestep_zero_index") is None)
 
 
@@ -296,7 +322,7 @@ def _check_inputs(bound: dict) -> dict:
     freqs = bound.get("image_rotary_emb")
     if freqs is not None:
         joint = torch.cat((txt_keep, txt.shape[1] + img_keep)).to(freqs.device)
-        out["image_rotary_emb"] = freqs.index_select(2, joint)
+        out["image_rotary_emb"] = freqs.index_select(rope_token_dim(freqs, txt.shape[1] + img.shape[1]), joint)
     if zero_from is not None:
         out["timestep_zero_index"] = int((img_keep < zero_from).sum())
     return out

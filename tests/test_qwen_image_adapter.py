@@ -127,6 +127,8 @@ def test_edit_reference_latents_equal_stock(env, split_everything, method):
     finally:
         handle.remove()
     if method == "index_timestep_zero":
+        if comfy_env.version_tuple() < (0, 8) and seen == [None]:
+            pytest.skip("this ComfyUI's Qwen-Image has no index_timestep_zero")
         assert seen == [32 * 24 // 4]   # the reference tokens start after the image's 192
     for level in ("Low", "High"):
         for bounds in (False, True):
@@ -144,7 +146,7 @@ def test_check_inputs_cover_both_modulations_and_masked_text(env, qwen):
     text, img, zero_from = 300, 1000, 700
     mask = torch.zeros(2, text)
     mask[:, 250:] = -1e30                                    # padding at the end of the text
-    freqs = torch.arange(text + img).float().view(1, 1, -1, 1, 1, 1)
+    freqs = torch.arange(text + img).float().view(1, 1, -1, 1, 1, 1).expand(1, 1, -1, 1, 2, 2)   # heads-first
     bound = dict(hidden_states=torch.arange(img).float().view(1, -1, 1).expand(2, -1, 8),
                  encoder_hidden_states=torch.arange(text).float().view(1, -1, 1).expand(2, -1, 8),
                  encoder_hidden_states_mask=mask, temb=torch.zeros(4, 8), image_rotary_emb=freqs,
@@ -158,7 +160,7 @@ def test_check_inputs_cover_both_modulations_and_masked_text(env, qwen):
     masked = check["encoder_hidden_states_mask"] != 0
     assert bool(masked.any()) and not bool(masked.all())
     assert torch.equal(check["encoder_hidden_states_mask"], mask[:, txt_ids])
-    rows = check["image_rotary_emb"].flatten().long()
+    rows = check["image_rotary_emb"][0, 0, :, 0, 0, 0].long()
     assert torch.equal(rows, torch.cat((txt_ids, text + img_ids)))
 
 
@@ -270,6 +272,14 @@ def test_unsupported_layout_and_unknown_arguments_run_stock(env, qwen, split_eve
     assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
     assert not stock_fallbacks(env)
 
+    calls = []   # the attention's arguments in a stock run (this ComfyUI's layouts)
+    handle = block.attn.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs),
+                                                  with_kwargs=True)
+    try:
+        forward(base, inputs)
+    finally:
+        handle.remove()
+    call = dict(calls[0])
     attention_class = type(block.attn)
     stock_forward = attention_class.forward
 
@@ -277,13 +287,10 @@ def test_unsupported_layout_and_unknown_arguments_run_stock(env, qwen, split_eve
         return stock_forward(self, *args, **kwargs)
     monkeypatch.setattr(attention_class, "forward", newer_forward)
     ours = qwen.attention_forward(block.attn, env.node.QKVConfig(3, "sdpa", True))
-    g = torch.Generator().manual_seed(3)
-    img, txt = torch.randn(1, 20, 128, generator=g), torch.randn(1, 5, 128, generator=g)
-    freqs = base.model.diffusion_model.pe_embedder(torch.zeros(1, 25, 3))
     with torch.no_grad():
-        stock = stock_forward(block.attn, img, txt, image_rotary_emb=freqs)
+        stock = stock_forward(block.attn, **call)
         env.core.reset_notices()
-        out = ours(img, txt, image_rotary_emb=freqs, new_argument=1)
+        out = ours(**call, new_argument=1)
     assert [line for line in stock_fallbacks(env) if "new_argument" in line]
     assert all(torch.equal(a, b) for a, b in zip(out, stock))
 

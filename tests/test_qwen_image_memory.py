@@ -42,6 +42,9 @@ def block_inputs(torch):
     ids = torch.cat((txt_ids, img_ids.reshape(-1, 3))).unsqueeze(0).float()
     head_dim = WIDTH // HEADS
     freqs = EmbedND(dim=head_dim, theta=10000, axes_dim=[8, 12, 12])(ids).to(torch.bfloat16).contiguous()
+    import comfy.ldm.qwen_image.model as qwen_model
+    if not hasattr(qwen_model, "apply_rope1"):   # older ComfyUI (v0.3.x): tokens-first, as its model passes them
+        freqs = freqs.squeeze(1).unsqueeze(2)
     return dict(hidden_states=torch.randn(1, TOKENS, WIDTH, generator=g).to(torch.bfloat16),
                 encoder_hidden_states=torch.randn(1, TEXT, WIDTH, generator=g).to(torch.bfloat16),
                 encoder_hidden_states_mask=None,
