@@ -127,7 +127,31 @@ def hunyuan_video() -> Case:
                 torch.zeros(1, 16, 2, 64, 128), conds, 4)
 
 
-CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video}
+QWEN_IMAGE = {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16,
+              "num_layers": 1, "attention_head_dim": 32, "num_attention_heads": 4, "joint_attention_dim": 48,
+              "axes_dims_rope": [8, 12, 12]}
+
+
+def qwen_image() -> Case:
+    """Qwen-Image-Edit: the image and one reference latent joined to its tokens (2 x (4,096 + 1,024))."""
+    import torch
+    patcher = _patcher(_model("QwenImage", QWEN_IMAGE))
+    reference = torch.randn(1, 16, 1, 64, 64, generator=torch.Generator().manual_seed(4))
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 1, 128, 128, generator=g), timestep=torch.tensor([0.5, 0.5]),
+                    context=torch.randn(2, 12, 48, generator=g), ref_latents=[reference.expand(2, -1, -1, -1, -1)])
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, 48, generator=g), {"reference_latents": [reference]}]],
+                [[torch.randn(1, 7, 48, generator=g), {"reference_latents": [reference]}]])
+    return Case(patcher, inputs, "diffusion_model.transformer_blocks.0.attn.to_k.weight",
+                torch.zeros(1, 16, 1, 128, 128), conds, 4)
+
+
+CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image}
 
 
 def case(name: str) -> Optional[Case]:
