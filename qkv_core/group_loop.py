@@ -1,0 +1,168 @@
+"""The group loop: projection and attention of one call, a group of heads at a time (SPEC §1.2, §1.3, §1.5).
+
+Two paths per group:
+- plain (`GroupLoop.attend`): q, then k, then v, each normalized as soon as it is projected, then the backend's
+  attention (or the caller's `attention_fn`); the result `(B, q tokens, heads of the group, D)` is placed by
+  `GroupLoop.run`;
+- staged (`GroupLoop.attend_staged`, a SageAttention staged core): v, k and q are quantized as each is
+  projected, so at most one of them exists in 16 bits, and the core writes the group's heads of the output.
+
+Who frees what: every q/k/v here is a local that is deleted (or handed off in a list the callee clears) as soon
+as the next step no longer needs it; the norms and `norm_v` change their tensors in place. Kept keys of the
+statistics pass are popped from `kept_keys` by their group. Projections are released by the last group
+(`last=True`). The output buffer belongs to the caller.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from .backends import AttentionBackend, StagedCore, pay_attention
+from .head_split import HeadGroup
+from .options import AttentionOptions
+from .prefix import KVPrefix
+from .prefix_join import join_prefix, prefix_tokens
+from .streams import CallStreams
+
+
+def group_mask(attention_mask: Any, heads: int, group: HeadGroup) -> Any:
+    """A tensor mask `(B, heads or 1, q tokens, kv tokens)` (or `(B, q tokens, kv tokens)`) cut to the group's
+    query heads (a view); a callable mask or None as it is."""
+    mask = attention_mask
+    if mask is None or not torch.is_tensor(mask):
+        return mask
+    if mask.dim() == 3:
+        mask = mask.unsqueeze(1)
+    if mask.dim() == 4 and mask.shape[1] == heads and heads > 1:
+        mask = mask[:, group.q.start:group.q.stop]
+    return mask
+
+
+class GroupLoop:
+    """The groups of one call. `streams`: its prepared projections; `o`: its options (`o.kv_prefix` resolved);
+    `norm_rope(q, k, group)`: normalizes and rotates in place (either None); `backend`: the backend chosen for
+    the call (None with an `attention_fn`); `kept_keys`: k of the first groups from the statistics pass, by first
+    key/value head, `(B, kv tokens, kv heads of the group, D)`, popped by their group."""
+
+    def __init__(self, streams: CallStreams, o: AttentionOptions, norm_rope: Optional[Callable],
+                 backend: Optional[AttentionBackend], kept_keys: dict[int, torch.Tensor]):
+        self.streams, self.o, self.norm_rope, self.backend, self.kept_keys = streams, o, norm_rope, backend, kept_keys
+        s = streams
+        self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
+
+    def empty_output(self) -> torch.Tensor:
+        """A new, uninitialized output `(B, q tokens, heads, D)` in the inputs' dtype and device."""
+        return torch.empty(self.output_shape, dtype=self.streams.dtype, device=self.streams.device)
+
+    def run(self, groups: list[HeadGroup], out: Optional[torch.Tensor], staged: Optional[StagedCore],
+            q_in_out: bool) -> torch.Tensor:
+        """Every group in order, the output `(B, q tokens, heads, D)`. `out`: the output buffer, or None for one
+        group without a staged core (the attention's own result is returned: no buffer beside it, no copy, unless
+        its shape or dtype differ). `q_in_out`: every group's q is already in its heads of `out`."""
+        single = len(groups) == 1 and staged is None
+        for index, group in enumerate(groups):
+            last = index == len(groups) - 1
+            if staged is not None:
+                self.attend_staged(staged, group, out, last)
+                continue
+            result = self.attend(group, out, last, q_in_out)
+            if single and tuple(result.shape) == self.output_shape and result.dtype == self.streams.dtype:
+                return result
+            if out is None:
+                out = self.empty_output()
+            out[:, :, group.q.start:group.q.stop] = result
+            del result
+        return out
+
+    def values(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """`(k, v)` of a group (`CallStreams.project_v`): v normalized by `norm_v` and joined with the prefix,
+        `(B, prefix tokens + kv tokens, kv heads of the group, D)`; k (one k/v module in every key/value stream,
+        else None) neither normalized nor joined."""
+        k, v = self.streams.project_v(group, last, k_later)
+        if self.o.norm_v is not None:
+            self.o.norm_v(v, group)
+        v = join_prefix(self.o.kv_prefix, "v", v, group.kv, self.streams.batch)
+        return k, v
+
+    def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool) -> torch.Tensor:
+        """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place. q, then k,
+        then v, each normalized as soon as it is projected: the norm's scratch is live beside at most two of
+        the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was projected into
+        this group's heads of `out` (normalized here in place, a strided view)."""
+        o, s = self.o, self.streams
+        norm = self.norm_rope
+        heads = slice(group.q.start, group.q.stop)
+        q = out[:, :, heads] if q_in_out else s.project("q", group.q, last)
+        if norm is not None:
+            norm(q, None, group)
+        if s.shared_kv:
+            k, v = self.values(group, last, k_later=False)
+            if norm is not None:
+                norm(None, k, group)
+            k = join_prefix(o.kv_prefix, "k", k, group.kv, s.batch)
+        else:
+            k = self.kept_keys.pop(group.kv.start, None)
+            if k is None:
+                k = s.project_k(group, last, v_later=True)
+            if norm is not None:
+                norm(None, k, group)
+            k = join_prefix(o.kv_prefix, "k", k, group.kv, s.batch)
+            _, v = self.values(group, last, k_later=False)
+        extra = s.project("extra", group.q, last) if "extra" in s.q_streams[0].proj else None
+        if o.attention_fn is not None:
+            qkv = [q, k, v] if extra is None else [q, k, v, extra]
+            del q, k, v, extra
+            result = o.attention_fn(qkv, group)
+            qkv.clear()
+        else:
+            del extra
+            result = pay_attention(q, k, v, mask=group_mask(o.attention_mask, s.heads, group),
+                                   force_attention=self.backend.name, softmax_scale=o.softmax_scale)
+            del q, k, v
+        return result
+
+    def attend_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool) -> None:
+        """One group through a staged core, written into its heads of `out`: v, k and q are quantized as each
+        is projected (each handed to the core in a list it clears), so at most one of them exists in 16 bits. A
+        `fused_quant` normalizes, rotates and quantizes in one step where it can (not beside a prefix for k, nor
+        with a callable mask); a callable mask sees the normalized k, then gives the group's mask from q."""
+        o, s = self.o, self.streams
+        mask = o.attention_mask
+        callable_mask = mask is not None and not torch.is_tensor(mask)
+        fused = o.fused_quant if not callable_mask else None
+        prefix = o.kv_prefix
+        if isinstance(prefix, KVPrefix) and prefix.is_native:
+            raise NotImplementedError("native prefixes are attended by the SageAttention staged cores (GPU issue)")
+        # v is quantized before k is projected (unless one module made both): one of them in 16 bits at a time
+        k, v = self.values(group, last, k_later=True)
+        settings = core.settings((s.batch, s.q_tokens, len(group.q), s.head_dim),
+                                 (s.batch, prefix_tokens(prefix) + s.kv_tokens, len(group.kv), s.head_dim),
+                                 v.dtype, v.device, o.softmax_scale)
+        quantized_v = core.staged_quantize_v([v], settings)
+        del v
+        if k is None:
+            k = s.project_k(group, last, v_later=False)
+        quantized_k = None
+        if fused is not None and prefix is None:
+            quantized_k = fused(None, k, group, core, settings)
+        if quantized_k is None:
+            if self.norm_rope is not None:
+                self.norm_rope(None, k, group)
+            k = join_prefix(prefix, "k", k, group.kv, s.batch)
+            if callable_mask:
+                mask(None, k, group)
+            quantized_k = core.staged_quantize_k([k], settings)
+        del k
+        q = s.project("q", group.q, last)
+        quantized_q = fused(q, None, group, core, settings) if fused is not None else None
+        mask_of_group = group_mask(mask, s.heads, group)
+        if quantized_q is None:
+            if self.norm_rope is not None:
+                self.norm_rope(q, None, group)
+            if callable_mask:
+                mask_of_group = mask(q, None, group)
+            quantized_q = core.staged_quantize_q([q], settings)
+        del q
+        core.staged_attention(out[:, :, group.q.start:group.q.stop], (quantized_q, quantized_k, quantized_v),
+                              settings, mask=mask_of_group)

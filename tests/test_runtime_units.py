@@ -1,0 +1,141 @@
+"""The units a call is made of (docs/dev/runtime-structure.md), on their own: their error paths and the small
+helpers the group loop relies on. The calls themselves are tested through the public API elsewhere."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv_core as qc
+from qkv_core import group_loop, prefix_join, statistics, validation
+from qkv_core.head_split import HeadGroup
+from qkv_core.options import AttentionOptions
+from qkv_core.streams import CallStreams, TokenStream
+from reference import make_qkv, randn
+
+H, D = 4, 32
+W = H * D
+
+
+def call_streams(kv_heads=H, batch=1, tokens=8, dtype=torch.float32, layers=None):
+    q, k, v = layers or make_qkv(W, H, D, kv_heads=kv_heads)
+    stream = TokenStream(randn(batch, tokens, W, seed=1, dtype=dtype), q=q, k=k, v=v)
+    return CallStreams([stream], [stream], H, kv_heads, D)
+
+
+def test_no_unit_imports_comfy():
+    code = ("import sys, qkv_core, qkv_core.validation, qkv_core.streams, qkv_core.statistics, "
+            "qkv_core.prefix_join, qkv_core.group_loop\n"
+            "bad = [m for m in sys.modules if m == 'comfy' or m.startswith('comfy.')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_take_activation():
+    with pytest.raises(ValueError, match=r"pass \[x\]"):
+        validation.take_activation(torch.zeros(2, 3), "x_list")
+    x_list = [torch.zeros(5, 3)]
+    assert validation.take_activation(x_list, "x_list").shape == (1, 5, 3) and x_list == []
+    with pytest.raises(ValueError, match="expected"):
+        validation.take_activation([torch.zeros(1, 1, 5, 3)], "x_list")
+
+
+def test_unpack_stream_and_extras():
+    with pytest.raises(ValueError, match="stream 2 must be"):
+        validation.unpack_stream(2, ([torch.zeros(1, 2, 3)],))
+    with pytest.raises(ValueError, match="at most 4"):
+        validation.unpack_stream(0, ([], (1, 2, 3, 4, 5)))
+    assert validation.unpack_stream(0, ("x", (1, 2, 3)))[1] == (1, 2, 3, None)
+    q, k, v = make_qkv(W, H, D)
+    streams = [TokenStream(randn(1, 4, W, seed=1), q=q, k=k, v=v, extra=q), TokenStream(randn(1, 4, W, seed=2),
+                                                                                        q=q, k=k, v=v)]
+    with pytest.raises(ValueError, match="every stream"):
+        validation.validate_extras(streams)
+
+
+def test_validate_kv_first_leaves_the_list():
+    bad = [torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8)]
+    with pytest.raises(ValueError, match="multiple of their heads"):
+        validation.validate_kv_first(bad)
+    assert len(bad) == 3
+
+
+def test_validate_call_and_widths():
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        validation.validate_call(AttentionOptions(), call_streams(kv_heads=H, layers=make_qkv(W, H, D, kv_heads=2)))
+    with pytest.raises(ValueError, match="norm_spans_heads=True"):
+        validation.validate_call(AttentionOptions(keep_keys=0.5), call_streams())
+    validation.validate_call(AttentionOptions(keep_keys=0.5, norm_spans_heads=True), call_streams())
+
+
+def test_validate_prefix():
+    o = AttentionOptions(kv_prefix=(torch.zeros(3, 4, H, D), torch.zeros(3, 4, H, D)))
+    with pytest.raises(ValueError, match="must be 1 or the call's batch 2"):
+        validation.validate_prefix(o, H, D, batch=2)
+    validation.validate_prefix(o, H, D, batch=3)
+    o = AttentionOptions(kv_prefix=[torch.zeros(1, 4, H, D)])
+    with pytest.raises(ValueError, match="a .key, value. pair"):
+        validation.validate_prefix(o, H, D, batch=1)
+
+
+def test_validate_mask_chooses_no_backend_for_a_tensor_mask():
+    asked = []
+
+    def staged_core():
+        asked.append(1)
+        return None
+
+    validation.validate_mask(torch.zeros(1, 1, 2, 2), staged_core)
+    validation.validate_mask(None, staged_core)
+    assert asked == []
+    with pytest.raises(ValueError, match="staged SageAttention core"):
+        validation.validate_mask(lambda q, k, group: None, staged_core)
+    assert asked == [1]
+
+
+def test_native_prefix_needs_a_core():
+    native = qc.KVPrefix(torch.zeros(1), None, torch.zeros(1), None, None, None)
+    with pytest.raises(ValueError, match="native=False"):
+        validation.validate_native_prefix_core(native, None)
+    validation.validate_native_prefix_core(native, object())
+    validation.validate_native_prefix_core(None, None)
+
+
+def test_join_prefix_pair_and_q8():
+    pk, pv = randn(1, 3, H, D, seed=3), randn(1, 3, H, D, seed=4)
+    k = randn(2, 5, 2, D, seed=5)
+    kv = range(1, 3)
+    joined = prefix_join.join_prefix((pk, pv), "k", k, kv, batch=2)
+    assert joined.shape == (2, 8, 2, D)
+    assert torch.equal(joined[:, :3], pk[:, :, 1:3].expand(2, -1, -1, -1)) and torch.equal(joined[:, 3:], k)
+    assert prefix_join.join_prefix(None, "v", k, kv, batch=2) is k
+    q8 = qc.cache_prefix([pk.clone(), pv.clone()], native=False)
+    v16 = qc.dequantize_prefix(q8, torch.float32)[1]
+    joined = prefix_join.join_prefix(q8, "v", k[:1], kv, batch=1)
+    assert torch.equal(joined[:, :3], v16[:, :, 1:3]) and torch.equal(joined[:, 3:], k[:1])
+    assert prefix_join.prefix_tokens(q8) == 3 and prefix_join.prefix_tokens(None) == 0
+
+
+def test_group_mask():
+    group = HeadGroup(range(2, 4), range(1, 2))
+    mask = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 2, 2)
+    assert torch.equal(group_loop.group_mask(mask, 4, group), mask[:, 2:4])
+    assert group_loop.group_mask(torch.zeros(1, 2, 2), 4, group).shape == (1, 1, 2, 2)
+    assert group_loop.group_mask(print, 4, group) is print
+
+
+def test_kept_key_groups_and_sum_squares():
+    groups = qc.head_groups(H, H, 4)
+    streams = call_streams()
+    assert statistics.kept_key_groups(0.5, streams, groups) == 2
+    assert statistics.kept_key_groups(None, streams, groups) == 0
+    q, k, _ = make_qkv(W, H, D)
+    shared = TokenStream(randn(1, 8, W, seed=1), q=q, k=k, v=k)
+    assert statistics.kept_key_groups(1.0, CallStreams([shared], [shared], H, H, D), groups) == 0
+    t = randn(2, 3, H, D, seed=6, dtype=torch.bfloat16)
+    acc = torch.zeros(2, 3)
+    statistics.sum_squares_(t, acc)
+    torch.testing.assert_close(acc, t.float().square().sum((-2, -1)))
