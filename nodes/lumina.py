@@ -55,10 +55,16 @@ BLOCK_PARTS = ("attention", "feed_forward", "attention_norm1", "attention_norm2"
                "adaLN_modulation")
 
 
+def _clamp_fp16(t: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's float16 clamp of this block's outputs (`clamp_fp16`; versions before it have none)."""
+    clamp = getattr(lumina_model, "clamp_fp16", None)
+    return t if clamp is None else clamp(t)
+
+
 def _swiglu_(gate_out: torch.Tensor, up_out: torch.Tensor) -> torch.Tensor:
     """`FeedForward`'s hidden activation, silu(w1 x) * w3 x (clamped in float16 as ComfyUI does), computed
     in `gate_out`'s storage."""
-    return lumina_model.clamp_fp16(torch.nn.functional.silu(gate_out, inplace=True).mul_(up_out))
+    return _clamp_fp16(torch.nn.functional.silu(gate_out, inplace=True).mul_(up_out))
 
 
 SWIGLU = GatedMLP(gate="w1", up="w3", down="w2", combine_=_swiglu_)
@@ -75,8 +81,13 @@ def _heads(attention) -> tuple[int, int, int]:
     return attention.n_local_heads, attention.n_local_kv_heads, attention.head_dim
 
 
+def _normed(attention) -> bool:
+    """q/k norms, or none (ComfyUI puts an Identity there; older versions keep no `qk_norm` flag)."""
+    return not isinstance(getattr(attention, "q_norm", None), torch.nn.Identity)
+
+
 def _form(attention) -> AttentionForm:
-    return NORMED if attention.qk_norm else UNNORMED
+    return NORMED if _normed(attention) else UNNORMED
 
 
 def _norm_ok(norm, dim: int) -> bool:
@@ -103,13 +114,13 @@ def probe_attention(attention) -> Optional[str]:
         return f"{heads} heads are not a multiple of {kv_heads} key/value heads"
     if head_dim % 2:
         return "an odd head_dim (RoPE rotates pairs)"
-    if not isinstance(getattr(attention, "qk_norm", None), bool):
-        return "no qk_norm"
     reason = _form(attention).probe(attention, heads, head_dim, kv_heads)
     if reason:
         return reason
-    if attention.qk_norm and not all(_norm_ok(norm, head_dim) for norm in (attention.q_norm, attention.k_norm)):
+    if _normed(attention) and not all(_norm_ok(norm, head_dim) for norm in (attention.q_norm, attention.k_norm)):
         return f"q_norm/k_norm are not RMSNorms over {head_dim} channels"
+    if not _normed(attention) and not isinstance(getattr(attention, "k_norm", None), torch.nn.Identity):
+        return "a k_norm without a q_norm"
     out = getattr(attention, "out", None)
     if getattr(getattr(out, "weight", None), "shape", (None,))[-1] != heads * head_dim:
         return f"out is not a Linear from {heads * head_dim} features"
@@ -220,7 +231,7 @@ def run_block(block, config, x, x_mask, freqs_cis, adaln_input=None, timestep_ze
     del heads
     out = linear_handed_off(attention.out, handed_off, x)   # the block's output from here on
     for a, b in token_ranges(tokens, step):
-        update = _gate(gate_msa, block.attention_norm2(lumina_model.clamp_fp16(out[:, a:b])), ranges, a, b)
+        update = _gate(gate_msa, block.attention_norm2(_clamp_fp16(out[:, a:b])), ranges, a, b)
         torch.add(x[:, a:b], update, out=out[:, a:b])
         del update
 
@@ -229,7 +240,7 @@ def run_block(block, config, x, x_mask, freqs_cis, adaln_input=None, timestep_ze
 
     def add_(part, ffn_out, a, b):
         if block.modulation:   # ComfyUI clamps the modulated blocks' FFN output in float16
-            ffn_out = lumina_model.clamp_fp16(ffn_out)
+            ffn_out = _clamp_fp16(ffn_out)
         part += _gate(gate_mlp, block.ffn_norm2(ffn_out), ranges, a, b)
 
     mlp_residual_(out, block.feed_forward, ffn_input, add_, gated=SWIGLU)

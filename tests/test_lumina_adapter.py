@@ -45,9 +45,16 @@ def split_everything(env, monkeypatch):
 
 def lumina_model(config: dict, config_class: str = "Lumina2"):
     """A tiny random-weight model from ComfyUI's own config class, float32 on the CPU, as a ModelPatcher."""
+    import inspect
     import torch
+    import comfy.ldm.lumina.model
     import comfy.model_patcher
     import comfy.supported_models
+    if not hasattr(comfy.supported_models, config_class):
+        pytest.skip(f"this ComfyUI has no {config_class}")
+    takes = inspect.signature(comfy.ldm.lumina.model.NextDiT.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values()):   # older: fewer settings
+        config = {k: v for k, v in config.items() if k in takes or k == "image_model"}
     model_config = getattr(comfy.supported_models, config_class)(dict(config))
     model_config.set_inference_dtype(torch.float32, None)
     try:
@@ -124,6 +131,21 @@ def test_lumina2_grouped_query_equals_stock_at_every_level(env, split_everything
     check_every_level(env, base, lumina_inputs(env.torch), heads=8, kv_heads=4)
 
 
+def test_without_qk_norms(env, split_everything):
+    """`qk_norm=False` (an Identity in place of each norm): RoPE alone."""
+    torch = env.torch
+    base = lumina_model(dict(LUMINA2, qk_norm=False))
+    assert isinstance(base.model.diffusion_model.layers[0].attention.q_norm, torch.nn.Identity)
+    inputs = lumina_inputs(torch)
+    reference = forward(base, inputs)
+    for block in (False, True):
+        patched, report = env.node.apply_patch(base, "High", "sdpa", block)
+        assert not report.skipped_reasons, report.lines()
+        env.core.reset_notices()
+        assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+        assert not stock_fallbacks(env)
+
+
 def test_zimage_equals_stock_at_every_level(env, split_everything):
     base = lumina_model(ZIMAGE, "ZImage")
     check_every_level(env, base, lumina_inputs(env.torch, latent=(1, 16, 30, 22), caption_tokens=9),
@@ -176,8 +198,9 @@ def test_sampling_two_steps_equals_stock(env):
     base = lumina_model(LUMINA2)
     g = torch.Generator().manual_seed(5)
     latent = torch.randn(1, 16, 24, 24, generator=g)
-    positive = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {}]]
-    negative = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {}]]
+    # the text encoder's mask (all tokens): older ComfyUI takes the model's num_tokens from it
+    positive = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}]]
+    negative = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}]]
 
     def sample(model):
         return comfy.sample.sample(model, torch.zeros_like(latent), 2, 3.0, "euler", "simple", positive, negative,
@@ -304,6 +327,7 @@ def test_norms_without_epsilon_in_the_fused_triton_pass():
     from pathlib import Path
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     comfy_env.require_comfyui()
+    lumina_model(ZIMAGE, "ZImage")   # skips where this ComfyUI builds none
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run([sys.executable, "-c", FUSED_NORM_CHECK.format(tests=tests)], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
