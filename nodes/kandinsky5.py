@@ -1,0 +1,302 @@
+"""Kandinsky 5 adapter (`comfy/ldm/kandinsky5/model.py`: Kandinsky 5 video Lite / Pro and Kandinsky 5 image): its
+`SelfAttention` and `TransformerDecoderBlock`.
+
+The self-attention: `to_query`, `to_key`, `to_value` Linears, RMSNorm over each head's channels (`query_norm`,
+`key_norm`) and RoPE on adjacent pairs in float32 (ComfyUI's `apply_rope1`), one stream: it runs through
+`nodes/attention.py` (head split, q/k/v of each head group from that group's weight rows). Patched always, in
+the visual (decoder) and the text (encoder) blocks. The cross-attention (queries of the visual tokens, keys
+and values of the text) stays ComfyUI's: its keys and values are short.
+
+With block bounds on, `TransformerDecoderBlock.forward` as well: the modulated input (norm, shift, scale) is made
+by token chunks and handed off to the runtime, the self-attention's output projection runs into a fresh tensor
+that becomes the block's output (ComfyUI's block does not write its input), the gated residual is added by token
+chunks, then the cross-attention (ComfyUI's own module, on each chunk of queries: each query's attention over
+the text is its own) and the feed-forward by token chunks (its layers cast once), each added into the output
+in place with ComfyUI's own `apply_scale_shift_norm` / `apply_gate_sum`. The text (encoder) blocks run as
+ComfyUI's: text is short.
+
+Guarded and self-checked like every forward of the pack (`compat.guard_module`). ComfyUI's Kandinsky 5 calls no
+q/k/v hooks of other nodes; `patches_replace["dit"]` blocks call the block's forward, whichever is installed.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+try:
+    import comfy.ldm.kandinsky5.model as kandinsky_model
+except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matches
+    kandinsky_model = None
+
+from . import compat
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend
+from .block_parts import foreign_part, mlp_residual_
+from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module
+
+FAMILY = "Kandinsky5"
+# Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
+# so a run never plans for less than it uses).
+MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+
+SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="to_query", k="to_key", v="to_value",
+                                                          norm_q="query_norm", norm_k="key_norm"),),
+                               norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
+
+# The arguments of ComfyUI's forwards the pack's take (a ComfyUI whose forward has others is left stock).
+ATTENTION_ARGS = ("x", "freqs", "transformer_options")
+BLOCK_ARGS = ("visual_embed", "text_embed", "time_embed", "freqs", "transformer_options")
+
+
+# --- probes -----------------------------------------------------------------------------------------------------
+def _takes(module, names: tuple) -> Optional[str]:
+    """None when the module's own (class) forward takes exactly `names`, else why not."""
+    takes = tuple(inspect.signature(type(module).forward).parameters)[1:]
+    if takes != names:
+        return f"its forward takes ({', '.join(takes)}), the pack's ({', '.join(names)})"
+    return None
+
+
+def _norm_ok(norm, dim: int) -> bool:
+    weight = getattr(norm, "weight", None)
+    return hasattr(norm, "eps") and (weight is None or tuple(weight.shape) == (dim,))
+
+
+def probe_attention(attention) -> Optional[str]:
+    """None when a `SelfAttention` has the structure the pack's forward uses (whether it computes the same is
+    the self-check's job)."""
+    reason = _takes(attention, ATTENTION_ARGS)
+    if reason:
+        return reason
+    heads, head_dim = getattr(attention, "num_heads", None), getattr(attention, "head_dim", None)
+    if not isinstance(heads, int) or not isinstance(head_dim, int) or heads <= 0 or head_dim % 2:
+        return "no num_heads/head_dim (an even head_dim: RoPE rotates pairs)"
+    reason = SELF_ATTENTION.probe(attention, heads, head_dim)
+    if reason:
+        return reason
+    if not all(_norm_ok(norm, head_dim) for norm in (attention.query_norm, attention.key_norm)):
+        return f"query_norm/key_norm are not RMSNorms over {head_dim} channels"
+    weight = getattr(getattr(attention, "out_layer", None), "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[1] != heads * head_dim:
+        return f"out_layer is not a Linear from {heads * head_dim} features"
+    return None
+
+
+def probe_block(block) -> Optional[str]:
+    """None when a `TransformerDecoderBlock` has the structure the bounded forward uses."""
+    reason = _takes(block, BLOCK_ARGS)
+    if reason:
+        return reason
+    attention = getattr(block, "self_attention", None)
+    if not isinstance(attention, kandinsky_model.SelfAttention):
+        return "its self_attention is not a SelfAttention"
+    reason = probe_attention(attention)
+    if reason:
+        return f"self_attention: {reason}"
+    width = attention.num_heads * attention.head_dim
+    if getattr(attention.out_layer.weight, "shape", (None,))[0] != width:
+        return "self_attention.out_layer does not map back to the block's width"
+    for name in ("self_attention_norm", "cross_attention_norm", "feed_forward_norm", "cross_attention"):
+        if not isinstance(getattr(block, name, None), torch.nn.Module):
+            return f"no {name}"
+    if feed_forward_layers(getattr(block, "feed_forward", None)) is None:
+        return "its feed_forward is not in_layer, GELU, out_layer"
+    modulation = getattr(getattr(getattr(block, "visual_modulation", None), "out_layer", None), "weight", None)
+    if modulation is None or modulation.shape[0] != 9 * width:
+        return "its visual_modulation does not give nine modulations"
+    return None
+
+
+# --- the self-attention ----------------------------------------------------------------------------------------------
+def attention_heads(attention, config, x_list: list, freqs, transformer_options) -> torch.Tensor:
+    """The self-attention of `[x]` (cleared: the runtime frees x once projected), x `(B, N, C)`:
+    `(B, N, heads, head_dim)`. `freqs`: `(1 or B, N, 1, D/2, 2, 2)` float32, the model's."""
+    return attend(attention, SELF_ATTENTION, [x_list], attention.num_heads, attention.head_dim, config,
+                  transformer_options, freqs=freqs)
+
+
+def run_attention(attention, config, x, freqs, transformer_options={}):
+    """`SelfAttention.forward`: the output projection of the attention of x."""
+    handed_off = [x]
+    del x   # the caller (ComfyUI's block) still holds its modulated input: nothing to free here
+    return attention.out_layer(attention_heads(attention, config, handed_off, freqs, transformer_options).flatten(2))
+
+
+# --- the visual block ------------------------------------------------------------------------------------------------
+def feed_forward_layers(feed_forward) -> Optional[torch.nn.Sequential]:
+    """Kandinsky 5's `FeedForward` (`in_layer`, GELU, `out_layer`; ComfyUI splits long inputs into chunks of
+    tokens, which computes the same) as the `Sequential(Linear, GELU, Linear)` over the model's own layers
+    (nothing copied) that `block_parts.ChunkedMLP` casts once and runs by token chunks; None for another."""
+    layers = tuple(getattr(feed_forward, name, None) for name in ("in_layer", "activation", "out_layer"))
+    if type(layers[1]) is not torch.nn.GELU or any(getattr(layer, "weight", None) is None
+                                                   for layer in (layers[0], layers[2])):
+        return None
+    return torch.nn.Sequential(*layers)
+
+
+def run_block(block, config, visual_embed, text_embed, time_embed, freqs, transformer_options={}):
+    """`TransformerDecoderBlock.forward` with every transient bounded; returns a new tensor (the input is not
+    written)."""
+    x = visual_embed
+    self_params, cross_params, ffn_params = torch.chunk(block.visual_modulation(time_embed), 3, dim=-1)
+    batch, tokens, width = x.shape
+    step = chunk_tokens(tokens, batch * width, max(1, x.numel() // 8))
+    shift, scale, gate = kandinsky_model.get_shift_scale_gate(self_params)
+    modulated = torch.empty_like(x)
+    for a, b in token_ranges(tokens, step):
+        modulated[:, a:b] = kandinsky_model.apply_scale_shift_norm(block.self_attention_norm, x[:, a:b], scale, shift)
+    handed_off = [modulated]
+    del modulated   # the runtime holds the only reference and frees it once q/k/v are projected
+    heads = attention_heads(block.self_attention, config, handed_off, freqs, transformer_options)
+    handed_off = [heads.flatten(2)]
+    del heads
+    out = linear_handed_off(block.self_attention.out_layer, handed_off, x)   # the block's output from here on
+    for a, b in token_ranges(tokens, step):
+        out[:, a:b] = kandinsky_model.apply_gate_sum(x[:, a:b], out[:, a:b], gate)
+
+    shift, scale, gate = kandinsky_model.get_shift_scale_gate(cross_params)
+    for a, b in token_ranges(tokens, step):   # each query's attention over the text is its own
+        part = out[:, a:b]
+        queries = kandinsky_model.apply_scale_shift_norm(block.cross_attention_norm, part, scale, shift)
+        attended = block.cross_attention(queries, text_embed, transformer_options=transformer_options)
+        del queries
+        part.copy_(kandinsky_model.apply_gate_sum(part, attended, gate))
+        del attended, part
+
+    shift, scale, gate = kandinsky_model.get_shift_scale_gate(ffn_params)
+
+    def ffn_input(a, b):
+        return kandinsky_model.apply_scale_shift_norm(block.feed_forward_norm, out[:, a:b], scale, shift)
+
+    def add_(part, ffn_out, a, b):
+        part.copy_(kandinsky_model.apply_gate_sum(part, ffn_out, gate))
+
+    mlp_residual_(out, feed_forward_layers(block.feed_forward), ffn_input, add_)
+    return out
+
+
+# --- guards ----------------------------------------------------------------------------------------------------------
+def _stock_functions(module) -> tuple:
+    """ComfyUI's forward functions whose math a forward of the pack replaces."""
+    if isinstance(module, kandinsky_model.SelfAttention):
+        return (type(module).forward,)
+    return tuple(type(part).forward for part in (module, module.self_attention, module.cross_attention,
+                                                 module.feed_forward))
+
+
+def _signature(kind: str, module, config, bound: dict) -> tuple:
+    options = bound.get("transformer_options") or {}
+    x = bound["x"] if "x" in bound else bound["visual_embed"]
+    freqs = bound.get("freqs")
+    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
+            frozenset(name for name, hooks in options.get("patches", {}).items() if hooks),
+            "optimized_attention_override" in options, None if freqs is None else (freqs.dim(), freqs.dtype))
+
+
+def _check_inputs(bound: dict) -> dict:
+    """The call's first tokens (all batch items) with their RoPE rows; the text and the time embedding whole;
+    probes for other nodes' hooks."""
+    name = "x" if "x" in bound else "visual_embed"
+    x, freqs = bound[name], bound.get("freqs")
+    n = compat.check_tokens(x.shape[1])
+    out = dict(bound)
+    out.update({name: x[:, :n].clone(), "freqs": None if freqs is None else freqs[:, :n].clone(),
+                "transformer_options": compat.probe_options(bound.get("transformer_options") or {})})
+    return out
+
+
+def _guard(kind: str, what: str, module, names, run, config, residual=None, refuse_more=None):
+    def ours_factory(module, config):
+        def forward(*args, **kwargs):
+            return run(module, config, **compat.bind_args(names, args, kwargs))
+        return forward
+    return compat.guard_module(
+        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
+        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
+        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_more=refuse_more)
+
+
+def attention_forward(attention, config):
+    """The guarded forward installed on a `SelfAttention`."""
+    return _guard("attention", f"{FAMILY} self-attention", attention, ATTENTION_ARGS, run_attention, config)
+
+
+def block_forward(block, config):
+    """The guarded bounded forward installed on a `TransformerDecoderBlock` (block bounds on)."""
+    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, run_block, config, residual="visual_embed",
+                  refuse_more=foreign_part)
+
+
+# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------------
+def _blocks(model):
+    for list_name in ("text_transformer_blocks", "visual_transformer_blocks"):
+        blocks = getattr(model, list_name, None)
+        if isinstance(blocks, torch.nn.ModuleList):
+            for index, block in enumerate(blocks):
+                yield f"diffusion_model.{list_name}.{index}", block
+
+
+def matches(diffusion_model) -> bool:
+    """A model built from Kandinsky 5's blocks."""
+    return kandinsky_model is not None and any(isinstance(block, kandinsky_model.TransformerDecoderBlock)
+                                               for _, block in _blocks(diffusion_model))
+
+
+def patch(patcher, config, report) -> None:
+    """Object patches on `patcher` (a clone): every self-attention that probes clean, and with block bounds
+    every visual block. A module another node patched keeps that patch (its block then runs stock)."""
+    for path, block in _blocks(patcher.model.diffusion_model):
+        attention = getattr(block, "self_attention", None)
+        if isinstance(attention, kandinsky_model.SelfAttention):
+            patch_module(patcher, report, FAMILY, f"{path}.self_attention", "self-attention",
+                         lambda attention=attention: attention_forward(attention, config),
+                         lambda attention=attention: probe_attention(attention))
+        if config.block and isinstance(block, kandinsky_model.TransformerDecoderBlock):
+            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
+                         lambda block=block: probe_block(block),
+                         parts=tuple(name for name, _ in block.named_children()))
+
+
+def stock_functions(diffusion_model) -> set:
+    functions = set()
+    for _, block in _blocks(diffusion_model):
+        functions.add(type(block.self_attention).forward)
+        if isinstance(block, kandinsky_model.TransformerDecoderBlock):
+            functions.update(_stock_functions(block))
+    return functions
+
+
+def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
+    """Visual tokens of one batch item for a latent `(B, C, T, H, W)` or `(B, C, H, W)`."""
+    if latent_shape is None or len(latent_shape) not in (4, 5):
+        return None
+    sizes = list(getattr(diffusion_model, "patch_size", (1, 2, 2)))
+    dims = ([1] if len(latent_shape) == 4 else []) + [int(size) for size in latent_shape[2:]]
+    count = 1
+    for size, step in zip(dims, sizes):
+        count *= -(-size // int(step))
+    return count
+
+
+def _first_attention(diffusion_model):
+    for _, block in _blocks(diffusion_model):
+        return getattr(block, "self_attention", None)
+    return None
+
+
+def kv_heads(diffusion_model) -> Optional[int]:
+    heads = getattr(_first_attention(diffusion_model), "num_heads", None)
+    return heads if isinstance(heads, int) else None
+
+
+def splits_projections(diffusion_model) -> Optional[str]:
+    attention = _first_attention(diffusion_model)
+    if attention is None:
+        return "no blocks"
+    for name in ("to_query", "to_key", "to_value"):
+        reason = not_row_sliceable(getattr(attention, name, None))
+        if reason is not None:
+            return f"{name}: {reason}"
+    return None
