@@ -2,8 +2,9 @@
 
 A family describes where its q, k and v come from (`StreamProjections`: three Linears, or one fused Linear that
 gives [q, k, v] and maybe more), which norm they get (`NORM_PER_HEAD`: over each head's channels, any head
-group runs the module's own norm; `NORM_SPANS_HEADS`: an RMSNorm over all heads, exact per group through
-per-token statistics) and which RoPE (`ROPE_PAIRS`: adjacent pairs rotated in float32). `attend()` turns that
+group runs the module's own norm, `PerHeadNormRope`; `NORM_SPANS_HEADS`: an RMSNorm over all heads, exact per
+group through the per-token statistics the runtime computes first, `SpanningNormRope`) and which RoPE
+(`ROPE_PAIRS`: adjacent pairs rotated in float32). `attend()` turns that
 into one call of the runtime (`qkv_core.joint_qkv_attention`: the head split, the hand-off of the inputs) and
 returns `(B, N, heads, head_dim)` for the family's own output projection. What is truly a family's own (its
 block: modulation, residuals, MLP) stays in its adapter; the pieces of a bounded block every family shares are
@@ -17,7 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..qkv_core import FusedRows, joint_qkv_attention, kernels, rows_
-from .comfy_ops import ComfyLinearRows, norm_weight
+from .comfy_ops import ComfyLinearRows, module_rows, norm_weight, rms_norm_rows
 from .dispatch import attention_kwargs
 
 NORM_PER_HEAD = "per_head"
@@ -107,8 +108,6 @@ class AttentionForm:
             raise ValueError(f"norm must be one of {NORM_KINDS}, not {self.norm!r}")
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"rope must be one of {ROPE_KINDS}, not {self.rope!r}")
-        if self.norm == NORM_SPANS_HEADS:
-            raise ValueError("a norm spanning all heads takes the family's own norm_rope (see nodes/wan.py)")
 
     def probe(self, module, heads: int, head_dim: int, kv_heads: Optional[int] = None) -> Optional[str]:
         kv_width = (heads if kv_heads is None else kv_heads) * head_dim
@@ -175,6 +174,116 @@ class PerHeadNormRope:
             self._apply_(key, 1)
 
 
+def _is_norm(norm) -> bool:
+    return norm is not None and not isinstance(norm, torch.nn.Identity)
+
+
+class SpanningNormRope:
+    """`norm_rope(query, key, group)` for an RMSNorm over all heads (`NORM_SPANS_HEADS`: Wan's norm_q/norm_k,
+    LTX's q_norm/k_norm): each stream's norm on its tokens, then RoPE, in place. Split, a group is normalized
+    from the per-token mean squares of all heads the runtime's statistics pass hands over
+    (`group.mean_squares`), their inverse RMS computed once a call, like the norm weights; unsplit (one group
+    of every head), the model's own norm runs. The norm's output is rounded once, then rotated, as the models
+    do: one fused Triton pass on CUDA (`qkv_core.kernels.norm_rope_`), else bounded token chunks of PyTorch ops.
+
+    `ranges`: (start, stop, norm_q, norm_k) per stream of the joined tokens (stop None: to the end); a None
+    or `Identity` norm: that side is not normalized (a cross-attention's keys that come normalized). `freqs`:
+    pair-RoPE rotations `(B or 1, N, 1 or heads, D/2, 2, 2)` (per head: each group takes its heads' rows), or
+    None. `whole=True`: the tensors are small chunks already (every head), so the model's own norm runs on
+    each in one call. Holds the norms' weights cast for the call and the inverse RMS (float32 `(B, N, 1, 1)`)
+    until it is dropped."""
+
+    def __init__(self, ranges: Sequence[tuple], heads: int, head_dim: int, freqs: Optional[torch.Tensor] = None,
+                 whole: bool = False):
+        self.ranges, self.heads, self.head_dim, self.freqs, self.whole = list(ranges), heads, head_dim, freqs, whole
+        self._weights: dict = {}   # (stream, which) -> (the norm's weight cast for the tensors,)
+        self._inverse_rms: dict = {}   # (stream, which) -> (mean_squares it was made from, rsqrt(ms + eps))
+
+    @property
+    def spans_heads(self) -> bool:
+        """Does any stream have a norm over all heads (the runtime's statistics pass is needed)?"""
+        return any(_is_norm(norm) for _, _, *norms in self.ranges for norm in norms)
+
+    def _weight(self, key: tuple, norm, t: torch.Tensor, heads: range) -> Optional[torch.Tensor]:
+        if key not in self._weights:
+            self._weights[key] = (norm_weight(norm, t),)
+        weight, d = self._weights[key][0], self.head_dim
+        if weight is None:
+            return None
+        return weight[heads.start * d:heads.stop * d].view(len(heads), d)
+
+    def _inverse(self, key: tuple, norm, mean_squares: torch.Tensor) -> torch.Tensor:
+        cached = self._inverse_rms.get(key)
+        if cached is None or cached[0] is not mean_squares:
+            inverse = torch.rsqrt(mean_squares.float() + norm.eps).unsqueeze(-1)
+            self._inverse_rms[key] = cached = (mean_squares, inverse)
+        return cached[1]
+
+    def _rotate(self, t: torch.Tensor, a: int, b: int, heads: range) -> torch.Tensor:
+        freqs = self.freqs[:, a:b]
+        if freqs.shape[2] > 1:   # a rotation per head: the group's own
+            freqs = freqs[:, :, heads.start:heads.stop]
+        return rope_rows(t, freqs)
+
+    def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
+        for index, (start, stop, *norms) in enumerate(self.ranges):
+            stop = t.shape[1] if stop is None else stop
+            self._range_(t, start, stop, (index, which), norms[which], heads, group)
+
+    def _range_(self, t: torch.Tensor, start: int, stop: int, key: tuple, norm, heads: range, group) -> None:
+        freqs = self.freqs
+        every = start == 0 and stop == t.shape[1]
+
+        def span(u):   # the stream's tokens (the tensor itself for a single stream)
+            return u if u is None or every else u[:, start:stop]
+        # the fused kernel reads one rotation per token (shared by all heads)
+        fused_rope = freqs is None or freqs.shape[2] == 1
+        kernel_freqs = span(freqs) if fused_rope else None
+        normalize = None
+        if not _is_norm(norm):
+            pass
+        elif group.mean_squares is not None:   # one group of heads: from the statistics of all heads
+            inverse, weight = self._inverse(key, norm, group.mean_squares[key[1]]), self._weight(key, norm, t, heads)
+            if kernels.norm_rope_(span(t), span(inverse), weight, kernel_freqs):   # one fused pass (CUDA + Triton)
+                if fused_rope:
+                    return
+            else:
+                def from_statistics(part, a, b):   # rounded once before the rotation, as the model does
+                    return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
+                normalize = from_statistics
+        elif t.is_cuda and t.shape[2] == self.heads and kernels.can_run(t):
+            # t holds every head: its statistics, then one fused pass
+            part = span(t)
+            mean_squares = torch.linalg.vector_norm(part, dim=(-2, -1), dtype=torch.float32).square_()
+            mean_squares = mean_squares.div_(part.shape[2] * part.shape[3]).unsqueeze(-1)
+            del part
+            if kernels.norm_rope_(span(t), self._inverse(key, norm, mean_squares), self._weight(key, norm, t, heads),
+                                  kernel_freqs):
+                if fused_rope:
+                    return
+            else:
+                rows_(t, lambda part, a, b: module_rows(part, norm), start, stop)
+        elif self.whole:   # t holds every head: the model's own norm
+            span(t).copy_(module_rows(span(t), norm))
+        else:
+            rows_(t, lambda part, a, b: module_rows(part, norm), start, stop)
+        if freqs is None and normalize is None:
+            return
+        if normalize is None and kernel_freqs is not None and kernels.norm_rope_(span(t), None, None, kernel_freqs):
+            return
+
+        def chunk(part, a, b):
+            out = part if normalize is None else normalize(part, a, b)
+            return out if freqs is None else self._rotate(out, a, b, heads)
+        rows_(t, chunk, start, stop)
+
+    def __call__(self, query, key, group) -> None:
+        if query is not None:
+            self._apply_(query, 0, group.q, group)
+        if key is not None:
+            self._apply_(key, 1, group.kv, group)
+
+
 def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Pair-RoPE frequencies in the heads-first layout `(B, 1, N, D/2, 2, 2)` (Flux's `pe`) as the runtime's
     token layout `(B, N, 1, D/2, 2, 2)`: a view."""
@@ -183,12 +292,14 @@ def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, head_dim: int, config,
            transformer_options: dict, freqs: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
-           kv_heads: Optional[int] = None, stream_modules: Optional[Sequence] = None) -> torch.Tensor:
+           kv_heads: Optional[int] = None, stream_modules: Optional[Sequence] = None,
+           keep_keys: Optional[float] = None) -> torch.Tensor:
     """The attention `form` describes, of `module`: `x_lists` holds one `[x]` per stream (each cleared: the
     runtime holds the only reference and frees x once projected), x `(B, n_i, C)`. `freqs`: pair-RoPE
     frequencies `(B or 1, sum n_i, 1, D/2, 2, 2)`; `mask`: additive or boolean `(B or 1, heads or 1, N, N)`
     (or 2-/3-D, broadcast as ComfyUI does). `stream_modules`: the module each stream's names are looked up
-    in (default: `module` for all). Returns `(B, sum n_i, heads, head_dim)`."""
+    in (default: `module` for all). `keep_keys`: with a norm spanning heads, the share of head groups whose
+    keys the statistics pass keeps for them (see `qkv_core.statistics`). Returns `(B, sum n_i, heads, head_dim)`."""
     if len(x_lists) != len(form.streams):
         raise ValueError(f"{len(form.streams)} streams described, {len(x_lists)} given")
     modules = list(stream_modules) if stream_modules is not None else [module] * len(x_lists)
@@ -200,15 +311,19 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
         ranges.append((start, start + tokens, attribute(owner, stream.norm_q), attribute(owner, stream.norm_k)))
         start += tokens
     norm_rope = None
-    if form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
+    options = attention_kwargs(config, transformer_options, module, mask=mask)
+    if form.norm == NORM_SPANS_HEADS:
+        norm_rope = SpanningNormRope(ranges, heads, head_dim, freqs if form.rope == ROPE_PAIRS else None)
+        if norm_rope.spans_heads:
+            options.update(norm_spans_heads=True, keep_keys=keep_keys)
+    elif form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
         if form.norm is None:
             ranges = [(a, b, None, None) for a, b, _, _ in ranges]
         norm_rope = PerHeadNormRope(ranges, freqs if form.rope == ROPE_PAIRS else None)
-    options = attention_kwargs(config, transformer_options, module, mask=mask)
     if kv_heads is not None and kv_heads != heads:
         options["kv_heads"] = kv_heads
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
 
 
 __all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "StreamProjections", "AttentionForm", "attend",
-           "rope_rows", "PerHeadNormRope", "token_freqs", "attribute"]
+           "rope_rows", "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]

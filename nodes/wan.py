@@ -1,5 +1,8 @@
-"""Wan 2.x adapter (`comfy/ldm/wan`): self-attention through `qkv_attention`, cross-attention through
-`cross_qkv_attention`, and (the block switch) a bounded `WanAttentionBlock.forward`.
+"""Wan 2.x adapter (`comfy/ldm/wan`): self-attention through `nodes/attention.py`'s `attend()` (Wan's
+description: q/k/v Linears, an RMSNorm spanning all heads, pair RoPE), cross-attention through
+`cross_qkv_attention` with the same spanning norm (its own: the context's keys and values projected once
+a layer call, CLIP image tokens beside the text for i2v, queries by token chunks in the bounded block), and
+(the block switch) a bounded `WanAttentionBlock.forward`.
 
 What is patched is decided by probing each module's structure (attributes, layer shapes). Whether the pack's
 forward still computes what ComfyUI's does is decided by behaviour, not by ComfyUI's source text: every
@@ -16,10 +19,11 @@ import torch
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
-from ..qkv_core import WholeProjection, cross_qkv_attention, kernels, qkv_attention, rows_
+from ..qkv_core import WholeProjection, cross_qkv_attention
 from . import compat
-from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, module_rows,
-                        norm_weight, not_row_sliceable, quantizes_inputs, rms_norm_rows, token_ranges)
+from .attention import NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend
+from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
+                        not_row_sliceable, quantizes_inputs, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
 from .family import MemoryFactors, patch_module
 
@@ -105,83 +109,10 @@ def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
 
 
 # --- attention ------------------------------------------------------------------------------------------
-def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE (`apply_rope1`'s math: adjacent pairs rotated by `freqs` `(1, n, 1, D/2, 2, 2)`, in float32)
-    on a chunk `(B, n, h, D)`; returns float32. A few fused PyTorch ops: one call per chunk costs far less
-    host time than ComfyUI's kernel dispatch, and a head group is rotated in several chunks."""
-    pairs = t.unflatten(-1, (-1, 1, 2))
-    out = freqs[..., 0] * pairs[..., 0]          # float32 by type promotion
-    out.addcmul_(freqs[..., 1], pairs[..., 1])
-    return out.flatten(-2)
-
-
-class _NormRope:
-    """`norm_rope(query, key, group)` for Wan: RMSNorm over all heads (norm_q / norm_k), then RoPE, in place.
-    With a split, each group is normalized from the per-token statistics of all heads (their inverse RMS
-    computed once a call, like the norm weights); unsplit, the model's own norm runs. The norm's output is
-    rounded once, then rotated in float32 (as the model's `apply_rope1` does): one fused Triton pass on CUDA,
-    else bounded token chunks of PyTorch ops. `key_norm=None`: the keys come normalized (left as they are).
-    `whole=True`: the tensors are small chunks already, so the model's own norm runs on each in one call."""
-
-    def __init__(self, module, freqs, key_norm: Optional[str] = "norm_k", whole: bool = False):
-        self.norms = (module.norm_q, None if key_norm is None else getattr(module, key_norm))
-        self.freqs, self.head_dim, self.heads, self.whole = freqs, module.head_dim, module.num_heads, whole
-        self._weights = [None, None]
-        self._inverse_rms = [None, None]   # (mean_squares it was made from, rsqrt(ms + eps) (B, N, 1, 1))
-
-    def _weight(self, which: int, t: torch.Tensor, head_range: range) -> Optional[torch.Tensor]:
-        if self._weights[which] is None:
-            self._weights[which] = (norm_weight(self.norms[which], t),)
-        weight, d = self._weights[which][0], self.head_dim
-        if weight is None:
-            return None
-        return weight[head_range.start * d:head_range.stop * d].view(len(head_range), d)
-
-    def _inverse(self, which: int, mean_squares: torch.Tensor) -> torch.Tensor:
-        cached = self._inverse_rms[which]
-        if cached is None or cached[0] is not mean_squares:
-            inverse = torch.rsqrt(mean_squares.float() + self.norms[which].eps).unsqueeze(-1)
-            self._inverse_rms[which] = cached = (mean_squares, inverse)
-        return cached[1]
-
-    def _apply_(self, t: torch.Tensor, which: int, head_range: range, group) -> None:
-        norm, freqs = self.norms[which], self.freqs
-        normalize = None
-        if isinstance(norm, torch.nn.Identity):
-            pass
-        elif group.mean_squares is not None:  # one group of heads: from the statistics of all heads
-            inverse, weight = self._inverse(which, group.mean_squares[which]), self._weight(which, t, head_range)
-            if kernels.norm_rope_(t, inverse, weight, freqs):   # one fused pass (CUDA + Triton)
-                return
-
-            def normalize(part, a, b):  # rounded once before the rotation, as the model does
-                return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
-        elif t.is_cuda and t.shape[2] == self.heads and kernels.can_run(t):
-            # t holds every head: its statistics, then one fused pass
-            mean_squares = torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_()
-            mean_squares = mean_squares.div_(t.shape[2] * t.shape[3]).unsqueeze(-1)
-            if kernels.norm_rope_(t, self._inverse(which, mean_squares), self._weight(which, t, head_range), freqs):
-                return
-            rows_(t, lambda part, a, b: module_rows(part, norm))
-        elif self.whole:  # t holds every head: the model's own norm
-            t.copy_(module_rows(t, norm))
-        else:
-            rows_(t, lambda part, a, b: module_rows(part, norm))
-        if freqs is None and normalize is None:
-            return
-        if normalize is None and kernels.norm_rope_(t, None, None, freqs):
-            return
-
-        def chunk(part, a, b):
-            out = part if normalize is None else normalize(part, a, b)
-            return out if freqs is None else rope_rows(out, freqs[:, a:b])
-        rows_(t, chunk)
-
-    def __call__(self, query, key, group) -> None:
-        if query is not None:
-            self._apply_(query, 0, group.q, group)
-        if key is not None and self.norms[1] is not None:
-            self._apply_(key, 1, group.kv, group)
+# Wan's self-attention: q/k/v Linears, norm_q / norm_k an RMSNorm over all heads (Identity without qk_norm),
+# pair RoPE with one rotation per token (`freqs` `(1, N, 1, D/2, 2, 2)`, float32).
+SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="q", k="k", v="v", norm_q="norm_q", norm_k="norm_k"),),
+                               norm=NORM_SPANS_HEADS, rope=ROPE_PAIRS)
 
 
 # Keys kept from the statistics pass of the spanning norm (`keep_keys`: that fraction of the head groups, the
@@ -196,11 +127,15 @@ ATTENTION_ONLY_KEPT_KEYS = 1.0
 
 def self_attention(module, x_list, freqs, config, transformer_options, keep_keys: float) -> torch.Tensor:
     """Wan self-attention of `[x]` (list cleared) without the output projection: `(B, N, heads, head_dim)`."""
-    spans_heads = not isinstance(module.norm_q, torch.nn.Identity)
-    return qkv_attention(x_list, ComfyLinearRows(module.q), ComfyLinearRows(module.k), ComfyLinearRows(module.v),
-                         module.num_heads, module.head_dim, _NormRope(module, freqs), norm_spans_heads=spans_heads,
-                         keep_keys=keep_keys if spans_heads else None, head_split_level=config.level,
-                         **attention_kwargs(config, transformer_options, module))
+    return attend(module, SELF_ATTENTION, [x_list], module.num_heads, module.head_dim, config, transformer_options,
+                  freqs=freqs, keep_keys=keep_keys)
+
+
+def _cross_norm(module, key_norm: Optional[str], whole: bool = False) -> SpanningNormRope:
+    """The spanning norm of a cross-attention (no RoPE): norm_q on the queries, `key_norm` on the keys (None:
+    they come normalized)."""
+    key = None if key_norm is None else getattr(module, key_norm)
+    return SpanningNormRope([(0, None, module.norm_q, key)], module.num_heads, module.head_dim, whole=whole)
 
 
 class CrossAttention:
@@ -243,8 +178,8 @@ class CrossAttention:
             for rows in self.rows[1:]:
                 rows.hold(like)
             key_norm = "norm_k"
-        self.norm_rope = _NormRope(module, None, key_norm)
-        self.chunk_norm_rope = _NormRope(module, None, key_norm, whole=True)
+        self.norm_rope = _cross_norm(module, key_norm)
+        self.chunk_norm_rope = _cross_norm(module, key_norm, whole=True)
 
     def __call__(self, x_list, split_heads: bool = True) -> torch.Tensor:
         """Attention of `[x]` (list cleared) without `o`: `(B, N, heads, head_dim)`. `split_heads=False` for
