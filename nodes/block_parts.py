@@ -34,8 +34,14 @@ class GatedMLP:
 
 
 def _hidden_width(mlp) -> int:
+    """Features of one token's hidden activation: the first layer's outputs of a Sequential; of any other MLP
+    module (e.g. Flux 2's YakMLP) the widest output of its layers, so that its chunks are bounded too."""
     first = mlp[0] if isinstance(mlp, torch.nn.Sequential) and len(mlp) else None
     weight = getattr(first, "weight", None)
+    if first is None and isinstance(mlp, torch.nn.Module):
+        widths = [int(child.weight.shape[0]) for child in mlp.children()
+                  if getattr(child, "weight", None) is not None and child.weight.dim() == 2]
+        return max(widths, default=4)
     return int(getattr(first, "out_features", None) or (weight.shape[0] if weight is not None else 4))
 
 
