@@ -1,7 +1,7 @@
 """Models no family adapter covers: the kernel-level patch (`nodes/kernel_patch.py`). ComfyUI's own attention
 function, called as models call it, through the pack's `optimized_attention_override`: equal to ComfyUI's
-kernel, and really run by the pack; other nodes' overrides and the user's kernel choice are kept; and a real
-model of another family (a tiny Flux from ComfyUI's config) samples through it, equal to stock."""
+kernel, and really run by the pack; other nodes' overrides and the user's kernel choice are kept; and real
+models (a tiny SD1.x UNet; a tiny Flux with its adapter left out) run through it, equal to stock."""
 from __future__ import annotations
 
 import importlib
@@ -112,8 +112,11 @@ FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_di
         "txt_ids_dims": []}   # Flux 1 (v0.33 asks for it; older ComfyUI has no such setting: dropped there)
 
 
-def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel):
+def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel, monkeypatch):
+    """Flux has its own adapter (nodes/flux.py); without it, as a family no adapter covers, its attention
+    calls (heads-first, with RoPE applied by the model) still run on the pack's kernel, equal to stock."""
     import comfy.supported_models
+    monkeypatch.setattr(env.node, "ADAPTERS", tuple(a for a in env.node.ADAPTERS if a.FAMILY != "Flux"))
     torch = env.torch
     config = dict(FLUX)
     import comfy.ldm.flux.model as flux_model
