@@ -21,6 +21,7 @@ class Case(NamedTuple):
     latent: object                      # an empty latent for sampling
     conds: Callable[[], tuple]          # (positive, negative) for comfy.sample.sample
     kv_heads: int
+    heads: Optional[int] = None         # query heads, where more than kv_heads (grouped-query attention)
 
 
 def _patcher(model):
@@ -151,7 +152,27 @@ def qwen_image() -> Case:
                 torch.zeros(1, 16, 1, 128, 128), conds, 4)
 
 
-CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image}
+def lumina2() -> Case:
+    """Lumina 2's grouped-query layout (8 query heads on 4 key/value heads; tests/test_lumina_adapter.py)."""
+    import torch
+    from test_lumina_adapter import CAPTION_DIM, LUMINA2, lumina_model
+    patcher = lumina_model(LUMINA2)
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timesteps=torch.tensor([0.6, 0.6]),
+                    context=torch.randn(2, 12, CAPTION_DIM, generator=g), num_tokens=12)
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        mask = {"attention_mask": torch.ones(1, 12, dtype=torch.long)}
+        return ([[torch.randn(1, 12, CAPTION_DIM, generator=g), dict(mask)]],
+                [[torch.randn(1, 12, CAPTION_DIM, generator=g), dict(mask)]])
+    return Case(patcher, inputs, "diffusion_model.layers.0.attention.qkv.weight", torch.zeros(1, 16, 128, 128),
+                conds, kv_heads=4, heads=8)
+
+
+CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2}
 
 
 def case(name: str) -> Optional[Case]:
