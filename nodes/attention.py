@@ -4,11 +4,12 @@ A family describes where its q, k and v come from (`StreamProjections`: three Li
 gives [q, k, v] and maybe more), which norm they get (`NORM_PER_HEAD`: over each head's channels, any head
 group runs the module's own norm, `PerHeadNormRope`; `NORM_SPANS_HEADS`: an RMSNorm over all heads, exact per
 group through the per-token statistics the runtime computes first, `SpanningNormRope`) and which RoPE
-(`ROPE_PAIRS`: adjacent pairs rotated in float32). `attend()` turns that
-into one call of the runtime (`qkv_core.joint_qkv_attention`: the head split, the hand-off of the inputs) and
-returns `(B, N, heads, head_dim)` for the family's own output projection. What is truly a family's own (its
-block: modulation, residuals, MLP) stays in its adapter; the pieces of a bounded block every family shares are
-in `nodes/block_parts.py`.
+(`ROPE_KINDS`: rotation matrices of adjacent pairs or of each head's halves, or cos/sin tables; each head group
+takes its own rows and columns of them, `rotate_rows`). `attend()` turns that into one call of the runtime
+(`qkv_core.joint_qkv_attention`, or `cross_qkv_attention` for queries and keys of two sequences: the head
+split, the hand-off of the inputs) and returns `(B, N, heads, head_dim)` for the family's own output
+projection. What is truly a family's own (its block: modulation, residuals, MLP) stays in its adapter; the
+pieces of a bounded block every family shares are in `nodes/block_parts.py`.
 """
 from __future__ import annotations
 
@@ -17,15 +18,18 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..qkv_core import FusedRows, joint_qkv_attention, kernels, rows_
+from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, kernels, rows_
 from .comfy_ops import ComfyLinearRows, module_rows, norm_weight, rms_norm_rows
 from .dispatch import attention_kwargs
 
 NORM_PER_HEAD = "per_head"
 NORM_SPANS_HEADS = "spans_heads"
-ROPE_PAIRS = "pairs"
+ROPE_PAIRS = "pairs"                    # rotation matrices of the pairs (2i, 2i + 1) (Flux, Wan, LTX 0.33+)
+ROPE_SPLIT_HALF = "split_half"          # the same matrices for the pairs (i, i + D/2) of each head (LTX "split")
+ROPE_COS_SIN = "cos_sin"                # (cos, sin) over the whole width, pairs (2i, 2i + 1) (LTX before 0.33)
+ROPE_COS_SIN_HALVES = "cos_sin_halves"  # (cos, sin) per head, pairs (i, i + D/2) (LTX "split" before 0.33)
 NORM_KINDS = (None, NORM_PER_HEAD, NORM_SPANS_HEADS)
-ROPE_KINDS = (None, ROPE_PAIRS)
+ROPE_KINDS = (None, ROPE_PAIRS, ROPE_SPLIT_HALF, ROPE_COS_SIN, ROPE_COS_SIN_HALVES)
 
 
 def attribute(module, path: Optional[str]):
@@ -108,6 +112,8 @@ class AttentionForm:
             raise ValueError(f"norm must be one of {NORM_KINDS}, not {self.norm!r}")
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"rope must be one of {ROPE_KINDS}, not {self.rope!r}")
+        if self.norm == NORM_PER_HEAD and self.rope not in (None, ROPE_PAIRS):
+            raise ValueError(f"a per-head norm takes pair RoPE here, not {self.rope!r}")
 
     def probe(self, module, heads: int, head_dim: int, kv_heads: Optional[int] = None) -> Optional[str]:
         kv_width = (heads if kv_heads is None else kv_heads) * head_dim
@@ -126,6 +132,57 @@ def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     out = freqs[..., 0] * pairs[..., 0]          # float32 by type promotion
     out.addcmul_(freqs[..., 1], pairs[..., 1])
     return out.flatten(-2)
+
+
+def rope_split_half_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """RoPE on the pairs (i, i + D/2) of each head (ComfyUI's `apply_rope_split_half1` math; LTX's "split"
+    RoPE): a chunk `(B, n, h, D)` rotated by the matrices `freqs` `(B or 1, n, 1 or h, D/2, 2, 2)`; returns
+    the wider dtype of the two (the model's tables have its dtype: it rotates in that)."""
+    pairs = t.unflatten(-1, (2, -1)).transpose(-2, -1).unsqueeze(-2)   # (B, n, h, D/2, 1, 2)
+    out = freqs[..., 0] * pairs[..., 0]
+    out.addcmul_(freqs[..., 1], pairs[..., 1])    # (B, n, h, D/2, 2): the rotated first and second halves
+    return out.transpose(-2, -1).flatten(-2)
+
+
+def rope_cos_sin_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs from cos/sin tables with a value per channel (each pair's twice): a chunk
+    `(B, n, h, D)` and tables `(B or 1, n, h, D)`: `t * cos + (-t[2i+1], t[2i]) * sin`."""
+    pairs = t.unflatten(-1, (-1, 2))
+    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    out = t * cos
+    return out.addcmul_(rotated, sin)
+
+
+def rope_cos_sin_halves_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the pairs (i, i + D/2) of each head from cos/sin tables: a chunk `(B, n, h, D)` and tables
+    `(B or 1, n, h, D/2)`: first half `a cos - b sin`, second half `b cos + a sin`."""
+    halves = t.unflatten(-1, (2, -1))
+    out = halves * cos.unsqueeze(-2)
+    out[..., 0, :].addcmul_(halves[..., 1, :], sin, value=-1)
+    out[..., 1, :].addcmul_(halves[..., 0, :], sin)
+    return out.flatten(-2)
+
+
+def rotate_rows(kind: str, freqs, t: torch.Tensor, a: int, b: int, heads: range) -> torch.Tensor:
+    """The tokens [a, b) of the heads `heads` (`t`: `(B, b - a, len(heads), D)`) rotated by the RoPE `kind`,
+    each table sliced to them: `ROPE_PAIRS` / `ROPE_SPLIT_HALF`: matrices `(B or 1, N, 1 or heads, D/2, 2, 2)`;
+    `ROPE_COS_SIN`: `(cos, sin)` each `(B or 1, N, heads * D)`; `ROPE_COS_SIN_HALVES`: `(cos, sin)` each
+    `(B or 1, heads, N, D/2)`. Returns a new tensor (float32 for float32 tables)."""
+    d = t.shape[-1]
+    if kind in (ROPE_PAIRS, ROPE_SPLIT_HALF):
+        table = freqs[:, a:b]
+        if table.shape[2] > 1:   # a rotation per head: the group's own
+            table = table[:, :, heads.start:heads.stop]
+        return (rope_rows if kind == ROPE_PAIRS else rope_split_half_rows)(t, table)
+    cos, sin = freqs
+    if kind == ROPE_COS_SIN:
+        columns = slice(heads.start * d, heads.stop * d)
+        return rope_cos_sin_rows(t, cos[:, a:b, columns].unflatten(-1, (len(heads), d)),
+                                 sin[:, a:b, columns].unflatten(-1, (len(heads), d)))
+    if kind == ROPE_COS_SIN_HALVES:
+        return rope_cos_sin_halves_rows(t, cos[:, heads.start:heads.stop, a:b].transpose(1, 2),
+                                        sin[:, heads.start:heads.stop, a:b].transpose(1, 2))
+    raise ValueError(f"rope must be one of {ROPE_KINDS[1:]}, not {kind!r}")
 
 
 class PerHeadNormRope:
@@ -186,16 +243,19 @@ class SpanningNormRope:
     of every head), the model's own norm runs. The norm's output is rounded once, then rotated, as the models
     do: one fused Triton pass on CUDA (`qkv_core.kernels.norm_rope_`), else bounded token chunks of PyTorch ops.
 
-    `ranges`: (start, stop, norm_q, norm_k) per stream of the joined tokens (stop None: to the end); a None
-    or `Identity` norm: that side is not normalized (a cross-attention's keys that come normalized). `freqs`:
-    pair-RoPE rotations `(B or 1, N, 1 or heads, D/2, 2, 2)` (per head: each group takes its heads' rows), or
-    None. `whole=True`: the tensors are small chunks already (every head), so the model's own norm runs on
-    each in one call. Holds the norms' weights cast for the call and the inverse RMS (float32 `(B, N, 1, 1)`)
-    until it is dropped."""
+    `ranges`: (start, stop, norm_q, norm_k) per stream of the joined tokens (stop None: to the end; a
+    cross-attention's keys: one stream over their own tokens); a None or `Identity` norm: that side is not
+    normalized (a cross-attention's keys that come normalized). `rope`: a kind of `ROPE_KINDS` with its tables
+    `freqs` for the queries and `key_freqs` for the keys (default: `freqs`; see `rotate_rows`), or None.
+    `whole=True`: the tensors are small chunks already (every head), so the model's own norm runs on each in
+    one call. Holds the norms' weights cast for the call and the inverse RMS (float32 `(B, N, 1, 1)`) until it
+    is dropped."""
 
-    def __init__(self, ranges: Sequence[tuple], heads: int, head_dim: int, freqs: Optional[torch.Tensor] = None,
-                 whole: bool = False):
-        self.ranges, self.heads, self.head_dim, self.freqs, self.whole = list(ranges), heads, head_dim, freqs, whole
+    def __init__(self, ranges: Sequence[tuple], heads: int, head_dim: int, freqs=None, whole: bool = False,
+                 rope: Optional[str] = ROPE_PAIRS, key_freqs=None):
+        self.ranges, self.heads, self.head_dim, self.whole = list(ranges), heads, head_dim, whole
+        self.rope = rope
+        self.freqs = (freqs, freqs if key_freqs is None else key_freqs) if rope is not None else (None, None)
         self._weights: dict = {}   # (stream, which) -> (the norm's weight cast for the tensors,)
         self._inverse_rms: dict = {}   # (stream, which) -> (mean_squares it was made from, rsqrt(ms + eps))
 
@@ -219,25 +279,19 @@ class SpanningNormRope:
             self._inverse_rms[key] = cached = (mean_squares, inverse)
         return cached[1]
 
-    def _rotate(self, t: torch.Tensor, a: int, b: int, heads: range) -> torch.Tensor:
-        freqs = self.freqs[:, a:b]
-        if freqs.shape[2] > 1:   # a rotation per head: the group's own
-            freqs = freqs[:, :, heads.start:heads.stop]
-        return rope_rows(t, freqs)
-
     def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
         for index, (start, stop, *norms) in enumerate(self.ranges):
             stop = t.shape[1] if stop is None else stop
-            self._range_(t, start, stop, (index, which), norms[which], heads, group)
+            self._range_(t, start, stop, (index, which), norms[which], self.freqs[which], heads, group)
 
-    def _range_(self, t: torch.Tensor, start: int, stop: int, key: tuple, norm, heads: range, group) -> None:
-        freqs = self.freqs
+    def _range_(self, t: torch.Tensor, start: int, stop: int, key: tuple, norm, freqs, heads: range,
+                group) -> None:
         every = start == 0 and stop == t.shape[1]
 
         def span(u):   # the stream's tokens (the tensor itself for a single stream)
             return u if u is None or every else u[:, start:stop]
-        # the fused kernel reads one rotation per token (shared by all heads)
-        fused_rope = freqs is None or freqs.shape[2] == 1
+        # the fused kernel rotates adjacent pairs by one float32 rotation per token (shared by all heads)
+        fused_rope = freqs is None or (self.rope == ROPE_PAIRS and freqs.shape[2] == 1)
         kernel_freqs = span(freqs) if fused_rope else None
         normalize = None
         if not _is_norm(norm):
@@ -274,7 +328,7 @@ class SpanningNormRope:
 
         def chunk(part, a, b):
             out = part if normalize is None else normalize(part, a, b)
-            return out if freqs is None else self._rotate(out, a, b, heads)
+            return out if freqs is None else rotate_rows(self.rope, freqs, out, a, b, heads)
         rows_(t, chunk, start, stop)
 
     def __call__(self, query, key, group) -> None:
@@ -293,15 +347,21 @@ def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, head_dim: int, config,
            transformer_options: dict, freqs: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
            kv_heads: Optional[int] = None, stream_modules: Optional[Sequence] = None,
-           keep_keys: Optional[float] = None) -> torch.Tensor:
+           keep_keys: Optional[float] = None, key_freqs=None, context_list: Optional[list] = None) -> torch.Tensor:
     """The attention `form` describes, of `module`: `x_lists` holds one `[x]` per stream (each cleared: the
-    runtime holds the only reference and frees x once projected), x `(B, n_i, C)`. `freqs`: pair-RoPE
-    frequencies `(B or 1, sum n_i, 1, D/2, 2, 2)`; `mask`: additive or boolean `(B or 1, heads or 1, N, N)`
-    (or 2-/3-D, broadcast as ComfyUI does). `stream_modules`: the module each stream's names are looked up
-    in (default: `module` for all). `keep_keys`: with a norm spanning heads, the share of head groups whose
-    keys the statistics pass keeps for them (see `qkv_core.statistics`). Returns `(B, sum n_i, heads, head_dim)`."""
+    runtime holds the only reference and frees x once projected), x `(B, n_i, C)`. `freqs`: the tables of
+    the form's RoPE over the joined tokens (pairs: `(B or 1, sum n_i, 1 or heads, D/2, 2, 2)`; see
+    `rotate_rows`), `key_freqs` the keys' when they differ; `mask`: additive or boolean `(B or 1, heads or 1,
+    N, N)` (or 2-/3-D, broadcast as ComfyUI does). `stream_modules`: the module each stream's names are looked
+    up in (default: `module` for all). `keep_keys`: with a norm spanning heads, the share of head groups whose
+    keys the statistics pass keeps for them (see `qkv_core.statistics`). `context_list`: `[context]` (cleared)
+    `(B, M, C')`: a cross-attention of one stream, queries from x and keys/values from the context (mask
+    `(B or 1, heads or 1, N, M)`). Returns `(B, sum n_i, heads, head_dim)`."""
     if len(x_lists) != len(form.streams):
         raise ValueError(f"{len(form.streams)} streams described, {len(x_lists)} given")
+    if context_list is not None:
+        return _cross_attend(module, form, x_lists[0], context_list, heads, head_dim, config, transformer_options,
+                             freqs, key_freqs, mask, kv_heads, keep_keys)
     modules = list(stream_modules) if stream_modules is not None else [module] * len(x_lists)
     width, kv_width = heads * head_dim, (heads if kv_heads is None else kv_heads) * head_dim
     streams, ranges, start = [], [], 0
@@ -312,10 +372,8 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
         start += tokens
     norm_rope = None
     options = attention_kwargs(config, transformer_options, module, mask=mask)
-    if form.norm == NORM_SPANS_HEADS:
-        norm_rope = SpanningNormRope(ranges, heads, head_dim, freqs if form.rope == ROPE_PAIRS else None)
-        if norm_rope.spans_heads:
-            options.update(norm_spans_heads=True, keep_keys=keep_keys)
+    if form.norm == NORM_SPANS_HEADS or (form.rope not in (None, ROPE_PAIRS) and freqs is not None):
+        norm_rope = _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options, keep_keys)
     elif form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
         if form.norm is None:
             ranges = [(a, b, None, None) for a, b, _, _ in ranges]
@@ -325,5 +383,41 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
 
 
-__all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "StreamProjections", "AttentionForm", "attend",
-           "rope_rows", "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]
+def _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options: dict, keep_keys) -> SpanningNormRope:
+    """The form's spanning norm (no norm: its RoPE alone) and RoPE; the runtime's statistics pass is asked for
+    in `options` when a norm spans heads."""
+    if form.norm != NORM_SPANS_HEADS:
+        ranges = [(start, stop, None, None) for start, stop, _, _ in ranges]
+    norm_rope = SpanningNormRope(ranges, heads, head_dim, freqs, rope=form.rope, key_freqs=key_freqs)
+    if norm_rope.spans_heads:
+        options.update(norm_spans_heads=True, keep_keys=keep_keys)
+    return norm_rope
+
+
+def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, transformer_options, freqs,
+                  key_freqs, mask, kv_heads, keep_keys) -> torch.Tensor:
+    """`attend()` of one stream's queries over a context's keys/values (`cross_qkv_attention`)."""
+    if len(form.streams) != 1 or form.streams[0].fused is not None:
+        raise ValueError("a cross-attention takes one stream of separate q, k and v Linears")
+    stream = form.streams[0]
+    width, kv_width = heads * head_dim, (heads if kv_heads is None else kv_heads) * head_dim
+    projections = stream.projections(module, width, kv_width)
+    ranges = [(0, None, attribute(module, stream.norm_q), attribute(module, stream.norm_k))]
+    options = attention_kwargs(config, transformer_options, module, mask=mask)
+    if kv_heads is not None and kv_heads != heads:
+        options["kv_heads"] = kv_heads
+    norm_rope = None
+    if form.norm == NORM_PER_HEAD:
+        if form.rope is not None and freqs is not None:
+            raise ValueError("a cross-attention with per-head norms takes no RoPE here")
+        norm_rope = PerHeadNormRope(ranges, None)
+    elif form.norm == NORM_SPANS_HEADS or (form.rope is not None and freqs is not None):
+        norm_rope = _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options, keep_keys)
+    return cross_qkv_attention(x_list, context_list, *projections, heads, head_dim, norm_rope,
+                               head_split_level=config.level, **options)
+
+
+__all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
+           "ROPE_COS_SIN_HALVES", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend", "rope_rows",
+           "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
+           "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from . import compat
-from .comfy_ops import CastLinear, even_chunk_tokens, not_row_sliceable, token_ranges
+from .comfy_ops import CastLinear, chunk_tokens, even_chunk_tokens, not_row_sliceable, token_ranges
 
 # One chunk's hidden activation holds at most |x| / FFN_CHUNK_FRACTION elements: under the attention's own
 # peak at High, and the chunks stay large enough for the products to run near full speed (measured on Wan).
@@ -136,6 +136,26 @@ def projection_residual_(residual: torch.Tensor, linear, attention: torch.Tensor
         cast.release()
 
 
+def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None) -> torch.Tensor:
+    """`linear(attention)` by token chunks, `attention` `(B, N, heads, head_dim)` or `(B, N, C)`: `(B, N, C')`.
+    Into the attention's own storage when C' == C (each output token depends only on the same input token,
+    so writing back in place is exact), else into a new tensor. `cast`: the weight already cast (kept), else
+    cast here once."""
+    flat = attention.flatten(2)
+    own = cast is None
+    cast = CastLinear(linear, flat) if own else cast
+    features = getattr(linear, "out_features", None) or linear.weight.shape[0]
+    out = flat if features == flat.shape[-1] else flat.new_empty(*flat.shape[:2], features)
+    try:
+        step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() // 8))
+        for a, b in token_ranges(flat.shape[1], step):
+            out[:, a:b] = cast(flat[:, a:b])
+    finally:
+        if own:
+            cast.release()
+    return out
+
+
 def foreign_part(block) -> Optional[str]:
     """Another node's forward or module hook on a part of `block` the pack's bounded block computes itself
     (then ComfyUI's block runs, calling it), else None."""
@@ -148,4 +168,5 @@ def foreign_part(block) -> Optional[str]:
     return None
 
 
-__all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "foreign_part", "FFN_CHUNK_FRACTION"]
+__all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "output_projection_", "foreign_part",
+           "FFN_CHUNK_FRACTION"]

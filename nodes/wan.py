@@ -22,6 +22,7 @@ import comfy.model_management
 from ..qkv_core import WholeProjection, cross_qkv_attention
 from . import compat
 from .attention import NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend
+from .block_parts import output_projection_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
@@ -209,23 +210,6 @@ def _projected_once(linear, context: torch.Tensor, norm=None) -> WholeProjection
     if norm is not None and not isinstance(norm, torch.nn.Identity):
         projected = norm(projected)
     return WholeProjection(lambda _context: projected, "projected once per layer call")
-
-
-def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None) -> torch.Tensor:
-    """`linear(attention)` computed by token chunks into the attention's own storage: `(B, N, C)`.
-    Each output token depends only on the same input token, so writing back in place is exact. `cast`: the
-    weight already cast (kept), else cast here once."""
-    flat = attention.flatten(2)
-    own = cast is None
-    cast = CastLinear(linear, flat) if own else cast
-    try:
-        step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() // 8))
-        for a, b in token_ranges(flat.shape[1], step):
-            flat[:, a:b] = cast(flat[:, a:b])
-    finally:
-        if own:
-            cast.release()
-    return flat
 
 
 # --- the bounded block ----------------------------------------------------------------------------------

@@ -1,0 +1,364 @@
+"""The LTX adapter (`nodes/ltx.py`) against a real ComfyUI: tiny random-weight LTX-Video and LTX-2 (audio-video)
+models built from ComfyUI's own config classes. The patched diffusion model's output equals ComfyUI's own at
+every head-split level, with and without block bounds, and the head split really runs (the split floor is
+lowered to 0 so that a few hundred tokens split): both RoPE layouts (interleaved pairs, the halves of each
+head), the text padding mask of the cross-attention, per-token timesteps, cross-attention AdaLN, LTX-2's audio
+streams, audio-video cross-attention and per-head gates; a batch of two and bf16; sampling; a LoRA; calls the
+pack leaves to ComfyUI (a guide attention mask, STG, unknown arguments, an unsupported layout); block
+replacements. Skipped without ComfyUI."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+LEVELS = ("Off", "Low", "Medium", "High")
+HEADS = 4
+CAPTION = 32
+LTXV = {"image_model": "ltxv", "in_channels": 16, "cross_attention_dim": 128, "attention_head_dim": 32,
+        "num_attention_heads": HEADS, "caption_channels": CAPTION, "num_layers": 2}
+LTXAV = {"image_model": "ltxav", "in_channels": 16, "audio_in_channels": 128, "cross_attention_dim": 128,
+         "audio_cross_attention_dim": 64, "attention_head_dim": 32, "audio_attention_head_dim": 16,
+         "num_attention_heads": HEADS, "audio_num_attention_heads": HEADS, "caption_channels": CAPTION,
+         "num_layers": 2, "apply_gated_attention": True, "connector_attention_head_dim": 16,
+         "connector_num_attention_heads": 2, "connector_num_layers": 1}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return comfy_env.pack_modules()
+
+
+@pytest.fixture(scope="module")
+def ltx(env):
+    return importlib.import_module(env.pack.__name__ + ".nodes.ltx")
+
+
+@pytest.fixture
+def split_everything(env, monkeypatch):
+    """The runtime splits from the first token (the tiny models' sequences are short)."""
+    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
+
+
+def ltx_model(config: dict = LTXV, config_class: str = "LTXV", **extra):
+    """A tiny LTX model; its modulation tables and gates are drawn wide enough that every attention visibly
+    changes the output."""
+    import torch
+    import comfy.model_patcher
+    import comfy.supported_models
+    if not hasattr(comfy.supported_models, config_class):
+        pytest.skip(f"this ComfyUI has no {config_class}")
+    model_config = getattr(comfy.supported_models, config_class)({**config, **extra})
+    model_config.set_inference_dtype(torch.float32, None)
+    try:
+        model = model_config.get_model({}, device=torch.device("cpu"))
+    except Exception as error:   # noqa: BLE001 - a ComfyUI whose model takes other settings
+        pytest.skip(f"this ComfyUI builds no tiny {config_class} from this config: {error}")
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.diffusion_model.named_parameters():
+            if "scale_shift_table" in name or "to_gate_logits" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+
+
+def text_mask(torch, batch: int, tokens: int = 12, padding: int = 3):
+    mask = torch.ones(batch, tokens, dtype=torch.long)
+    mask[:, tokens - padding:] = 0
+    return mask
+
+
+def ltx_inputs(torch, latent=(1, 16, 3, 8, 8), text_tokens=12, seed=1, per_token_timestep=False):
+    """LTX-Video's arguments: 3 x 8 x 8 = 192 video tokens, 12 text tokens of which the last 3 are padding."""
+    g = torch.Generator().manual_seed(seed)
+    batch, tokens = latent[0], latent[2] * latent[3] * latent[4]
+    timestep = torch.rand(batch, tokens, generator=g) if per_token_timestep else torch.tensor([0.5] * batch)
+    return dict(x=torch.randn(*latent, generator=g), timestep=timestep,
+                context=torch.randn(batch, text_tokens, CAPTION, generator=g),
+                attention_mask=text_mask(torch, batch, text_tokens), frame_rate=25)
+
+
+def ltx2_inputs(torch, seed=1, audio_tokens=40):
+    g = torch.Generator().manual_seed(seed)
+    return dict(x=[torch.randn(1, 16, 3, 8, 8, generator=g), torch.randn(1, 8, audio_tokens, 16, generator=g)],
+                timestep=torch.tensor([0.5]), context=torch.randn(1, 12, 2 * CAPTION, generator=g),
+                attention_mask=text_mask(torch, 1), frame_rate=25, audio_length=audio_tokens)
+
+
+def _fresh(value):
+    import torch
+    if torch.is_tensor(value):
+        return value.clone()
+    return [v.clone() for v in value] if isinstance(value, list) else value
+
+
+def forward(patcher, inputs, applied=None, options=None):
+    import torch
+    if applied is not None:
+        applied.patch_model(load_weights=False)
+    try:
+        transformer_options = dict((applied or patcher).model_options.get("transformer_options", {}))
+        transformer_options.update(options or {})
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**{k: _fresh(v) for k, v in inputs.items()},
+                                                 transformer_options=transformer_options)
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=False)
+
+
+def stock_fallbacks(env) -> list:
+    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
+    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+
+
+def rel_err(a, b):
+    if isinstance(b, (list, tuple)):
+        return max(rel_err(x, y) for x, y in zip(a, b))
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def patched_counts(report) -> dict:
+    return {what: n for (family, what), n in report.patched_counts.items()}
+
+
+def check_every_level(env, base, inputs, counts: dict, levels=LEVELS, skipped=()):
+    """Patched == stock at `levels` with and without block bounds, the split really running. `counts`: the
+    report's patched modules with block bounds on (without: the attention modules only)."""
+    torch = env.torch
+    reference = forward(base, inputs)
+    for level in levels:
+        for block in (False, True):
+            patched, report = env.node.apply_patch(base, level, "sdpa", block)
+            reasons = sorted({reason for (_, reason) in report.skipped_reasons})
+            assert reasons == (sorted(skipped) if block else []), report.lines()
+            expected = counts if block else {"attention": counts["attention"]}
+            assert patched_counts(report) == expected
+            env.core.reset_notices()
+            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
+                out = forward(base, inputs, applied=patched)
+            assert not stock_fallbacks(env), (level, block)
+            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
+            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
+    again = forward(base, inputs)   # the unpatched model is stock again
+    assert all(torch.equal(a, b) for a, b in zip(again, reference)) if isinstance(again, list) else \
+        torch.equal(again, reference)
+
+
+@pytest.mark.parametrize("rope_type", ["interleaved", "split"])
+def test_ltxv_equals_stock_at_every_level(env, split_everything, rope_type):
+    """Both RoPE layouts (pairs of adjacent channels, the halves of each head), the text padding mask."""
+    base = ltx_model(rope_type=rope_type)
+    check_every_level(env, base, ltx_inputs(env.torch), {"attention": 4, "block": 2})
+
+
+def test_text_padding_mask_is_honoured(env, split_everything):
+    """The padding mask changes ComfyUI's output, and the pack's with it."""
+    torch = env.torch
+    base = ltx_model()
+    inputs = ltx_inputs(torch)
+    unmasked = dict(inputs, attention_mask=torch.ones_like(inputs["attention_mask"]))
+    reference, reference_unmasked = forward(base, inputs), forward(base, unmasked)
+    assert rel_err(reference_unmasked, reference) > 1e-3
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert rel_err(forward(base, unmasked, applied=patched), reference_unmasked) <= 1e-5
+    assert not stock_fallbacks(env)
+
+
+def test_per_token_timesteps_and_cross_attention_adaln(env, split_everything):
+    """A timestep per token (a denoise mask), and cross-attention AdaLN (modulated queries and context)."""
+    torch = env.torch
+    base = ltx_model(cross_attention_adaln=True)
+    if not getattr(base.model.diffusion_model.transformer_blocks[0], "cross_attention_adaln", False):
+        pytest.skip("this ComfyUI's LTX has no cross-attention AdaLN")
+    check_every_level(env, base, ltx_inputs(torch, per_token_timestep=True), {"attention": 4, "block": 2},
+                      levels=("Off", "High"))
+
+
+@pytest.mark.parametrize("rope_type", ["interleaved", "split"])
+def test_ltx2_audio_video_equals_stock(env, split_everything, rope_type):
+    """LTX-2: video and audio self- and text cross-attention, audio <-> video cross-attention with RoPE on both
+    sides, per-head gates. Its audio-video block keeps ComfyUI's forward (one report line)."""
+    base = ltx_model(LTXAV, "LTXAV", rope_type=rope_type)
+    check_every_level(env, base, ltx2_inputs(env.torch), {"attention": 12}, levels=("Off", "Low", "High"),
+                      skipped=["BasicAVTransformerBlock keeps ComfyUI's forward (its attention modules are "
+                               "patched)"])
+
+
+def test_batch_of_two_and_bf16(env, split_everything):
+    torch = env.torch
+    base = ltx_model()
+    inputs = ltx_inputs(torch, latent=(2, 16, 3, 8, 8))
+    reference = forward(base, inputs)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert not stock_fallbacks(env)
+    base.model.diffusion_model.to(torch.bfloat16)
+    inputs16 = {k: v.to(torch.bfloat16) if k in ("x", "context") else v for k, v in inputs.items()}
+    stock16 = forward(base, inputs16).float()
+    ours16 = forward(base, inputs16, applied=patched).float()
+    assert not stock_fallbacks(env)
+    # bf16 round-off of a reordered computation, next to stock's own distance from float32
+    assert rel_err(ours16, reference) <= 2 * rel_err(stock16, reference) + 1e-2
+
+
+def test_sampling_two_steps_equals_stock(env):
+    """Through ComfyUI's sampler (its conds with the text mask, its model wrapper), at High with block bounds."""
+    import comfy.sample
+    torch = env.torch
+    base = ltx_model()
+    g = torch.Generator().manual_seed(5)
+    latent = torch.randn(1, 16, 3, 8, 8, generator=g)
+    positive = [[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]]
+    negative = [[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]]
+
+    def sample(model):
+        return comfy.sample.sample(model, torch.zeros_like(latent), 2, 3.0, "euler", "simple", positive, negative,
+                                   latent.clone(), denoise=1.0, disable_noise=False, seed=7)
+    reference = sample(base)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert report.any_patched and not report.skipped_reasons, report.lines()
+    env.core.reset_notices()
+    out = sample(patched)
+    assert not stock_fallbacks(env)
+    assert rel_err(out, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram-weight-function"])
+def test_lora_gives_the_same_output(env, split_everything, lowvram):
+    """Weight patches on block 0's q, k and v (self-attention), its text keys and its output projection, fully
+    loaded or applied per call (lowvram weight functions)."""
+    torch = env.torch
+    base = ltx_model()
+    inputs = ltx_inputs(torch)
+    plain = forward(base, inputs)
+    g = torch.Generator().manual_seed(9)
+    patches = {}
+    for name in ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn2.to_k", "attn1.to_out.0"):
+        key = f"diffusion_model.transformer_blocks.0.{name}.weight"
+        patches[key] = (torch.randn(base.model.get_parameter(key).shape, generator=g) * 0.05,)
+    lora = base.clone()
+    lora.add_patches(patches, 1.0)
+    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
+
+    def run(patcher):
+        if lowvram:
+            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+            q = patcher.model.diffusion_model.transformer_blocks[0].attn1.to_q
+            assert len(q.weight_function) > 0 and q.comfy_cast_weights   # the LowVramPatch path
+        else:
+            patcher.patch_model(device_to=torch.device("cpu"))
+        try:
+            options = dict(patcher.model_options.get("transformer_options", {}))
+            with torch.no_grad():
+                return patcher.model.diffusion_model(**{k: _fresh(v) for k, v in inputs.items()},
+                                                     transformer_options=options)
+        finally:
+            patcher.unpatch_model()
+
+    stock_lora = run(lora)
+    env.core.reset_notices()
+    ours_lora = run(patched)
+    assert not stock_fallbacks(env)
+    assert rel_err(stock_lora, plain) > 1e-3            # the LoRA does change the output
+    assert rel_err(ours_lora, stock_lora) <= 1e-5
+    assert rel_err(forward(base, inputs), plain) <= 1e-6  # and is gone afterwards
+
+
+def test_calls_left_to_comfyui(env, ltx, split_everything, monkeypatch):
+    """A guide attention mask (ComfyUI partitions the queries itself), STG's skipped self-attention and an
+    argument the pack does not know (a newer ComfyUI's) run ComfyUI's own forward, equal to it."""
+    torch = env.torch
+    import comfy.ldm.lightricks.model as ltx_model_module
+    base = ltx_model()
+    inputs = ltx_inputs(torch)
+    attn1 = base.model.diffusion_model.transformer_blocks[0].attn1
+    calls = []
+    handle = attn1.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, kwargs)),
+                                             with_kwargs=True)
+    try:
+        forward(base, inputs)
+    finally:
+        handle.remove()
+    (x,), call = calls[0]
+    stock = type(attn1).forward
+
+    def newer_forward(self, *args, new_argument=None, **kwargs):   # a ComfyUI that added an argument
+        return stock(self, *args, **kwargs)
+    monkeypatch.setattr(type(attn1), "forward", newer_forward)
+    ours = ltx.attention_forward(attn1, env.node.QKVConfig(3, "sdpa", True))
+    if hasattr(ltx_model_module, "GuideAttentionMask"):
+        tokens = x.shape[1]
+        weights = torch.full((1, 64), 0.5)
+        mask = ltx_model_module.GuideAttentionMask(tokens, tokens - 64, 64, weights)
+        with torch.no_grad():
+            env.core.reset_notices()
+            out = ours(x, **dict(call, mask=mask))
+            assert torch.equal(out, stock(attn1, x, **dict(call, mask=mask)))
+        assert [line for line in stock_fallbacks(env) if "GuideAttentionMask" in line]
+    with torch.no_grad():
+        env.core.reset_notices()
+        out = ours(x, **dict(call, transformer_options={"stg_skip_self_attn": True}))
+        assert torch.equal(out, stock(attn1, x, **dict(call, transformer_options={"stg_skip_self_attn": True})))
+        assert [line for line in stock_fallbacks(env) if "STG" in line]
+        out = ours(x, **call, new_argument=1)
+        assert torch.equal(out, stock(attn1, x, **call))
+        assert [line for line in stock_fallbacks(env) if "new_argument" in line]
+        out = ours(x, **call)   # an ordinary call: the pack's
+        assert not stock_fallbacks(env)
+        assert rel_err(out, stock(attn1, x, **call)) <= 1e-5
+
+
+def test_unsupported_layout_passes_through(env, split_everything):
+    """An attention module the pack's forward does not describe (here: an attention precision of its own) keeps
+    ComfyUI's forward, and so does its block (one report line each); the rest is patched, equal to stock."""
+    torch = env.torch
+    base = ltx_model()
+    inputs = ltx_inputs(torch)
+    base.model.diffusion_model.transformer_blocks[1].attn2.attn_precision = torch.float32
+    reference = forward(base, inputs)
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert patched_counts(report) == {"attention": 3, "block": 1}
+    lines = sorted(line for line in report.lines() if "runs as before" in line)
+    reason = "attn_precision torch.float32 (the pack's kernels keep the inputs' precision)"
+    assert lines == [f"LTX: diffusion_model.transformer_blocks.1 (block) runs as before: attn2: {reason}",
+                     f"LTX: diffusion_model.transformer_blocks.1.attn2 runs as before: {reason}"]
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert not stock_fallbacks(env)
+
+
+@pytest.mark.parametrize("bounds", [False, True], ids=["attention", "block"])
+def test_a_dit_block_replacement_wraps_the_pack_block(env, split_everything, bounds):
+    """`patches_replace["dit"]` (block swap, caching nodes): the replacement calls the original block, which
+    runs the pack's forwards."""
+    torch = env.torch
+    base = ltx_model()
+    inputs = ltx_inputs(torch)
+    calls = []
+
+    def replace(args, extra):
+        calls.append(1)
+        out = extra["original_block"](args)
+        return {"img": out["img"] * 0.9}
+    hooked = base.clone()
+    hooked.set_model_patch_replace(replace, "dit", "double_block", 0)
+    reference = forward(hooked, inputs)
+    assert calls == [1]
+    patched, _ = env.node.apply_patch(hooked, "High", "sdpa", bounds)
+    env.core.reset_notices()
+    with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
+        assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert calls == [1, 1]
+    assert not stock_fallbacks(env)
+    assert 1 in spy.self_heads
