@@ -110,7 +110,8 @@ def rel_err(a, b):
 def test_blocks_equal_stock(env, flux, variant, bounds):
     torch = env.torch
     blocks = build_blocks(torch, variant)
-    double_in, single_in = block_inputs(torch, variant, blocks)
+    # per-range modulation: one batch item (ComfyUI v0.8's apply_mod indexes the ranges' vectors per item)
+    double_in, single_in = block_inputs(torch, variant, blocks, batch=1 if variant == "per_range" else 2)
     config = env.node.QKVConfig(level=3, backend="sdpa", block=bounds, split_floor=0)
     env.core.reset_notices()
     with torch.no_grad():
