@@ -77,9 +77,10 @@ def flux_case(which: str, img_tokens: int, txt_tokens: int, width=3072, heads=24
     return build
 
 
-def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24):
+def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24, batch=1):
     """ComfyUI's `QwenImageTransformerBlock` (Qwen-Image: width 3072, 24 heads of 128) on a square image of
-    `side_tokens`^2 patches and a prompt, RoPE ids as the model makes them."""
+    `side_tokens`^2 patches and a prompt, RoPE ids as the model makes them; `batch` 2: cond and uncond in one
+    call, as ComfyUI's sampler runs cfg."""
     def build(device, dtype):
         import comfy.ldm.qwen_image.model as qwen_model
         import comfy.ldm.flux.layers as layers
@@ -102,8 +103,9 @@ def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24):
 
         def randn(*shape):
             return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
-        inputs = dict(hidden_states=randn(1, side_tokens ** 2, width), encoder_hidden_states=randn(1, text_tokens, width),
-                      encoder_hidden_states_mask=None, temb=randn(1, width), image_rotary_emb=freqs)
+        inputs = dict(hidden_states=randn(batch, side_tokens ** 2, width),
+                      encoder_hidden_states=randn(batch, text_tokens, width), encoder_hidden_states_mask=None,
+                      temb=randn(batch, width), image_rotary_emb=freqs)
         return block.eval(), inputs, "hidden_states", qwen_image.block_forward
     return build
 
@@ -114,6 +116,8 @@ CASES = {case.name: case for case in (
          flux_case("double", 16384, 512)),
     Case("flux-single-2048", "Flux-dev single block, 2048^2 (16,896 tokens)", flux_case("single", 16384, 512)),
     Case("qwen-image-1328", "Qwen-Image block, 1328^2 (6,889 image + 256 text tokens)", qwen_image_case(83, 256)),
+    Case("qwen-image-1328-cfg", "Qwen-Image block, 1328^2, cond + uncond in one call (2 x 7,145 tokens)",
+         qwen_image_case(83, 256, batch=2)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",
