@@ -74,7 +74,8 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional).
 
     `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
-    every head; `freqs`: float32 `(1 or B, N, 1, D/2, 2, 2)`. `head_norm_eps`: an RMSNorm over each head's
+    every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, as Qwen-Image passes its
+    table: computed in float32 all the same, which its model does in 16 bits). `head_norm_eps`: an RMSNorm over each head's
     own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). Returns False (nothing done) when
     the kernel cannot take the call."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
@@ -97,7 +98,7 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     if freqs is not None:
         f = freqs
         if f.dim() != 6 or f.shape[1] != tokens or f.shape[-3:] != (half, 2, 2) or f.device != t.device \
-                or f.dtype != torch.float32:
+                or f.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
         if f.stride()[-3:] != (4, 2, 1):
             f = f.contiguous()

@@ -42,10 +42,10 @@ CHECK = textwrap.dedent("""
         view = torch.randn(2, 37, 5, 32, generator=g).to(dtype)[:, :, 1:4]
         shared = (torch.randn(32, generator=g) * 0.2 + 1).to(dtype)
         freqs = torch.randn(1, 37, 1, 16, 2, 2, generator=g)
-        for weight in (shared, None):
+        for weight, table in ((shared, freqs), (None, freqs), (shared, freqs.to(dtype))):   # a 16-bit table too
             target = view.clone()
-            want = kernels.norm_rope_reference(target, None, weight, freqs, head_norm_eps=1e-6)
-            assert kernels.norm_rope_(target, None, weight, freqs, head_norm_eps=1e-6)
+            want = kernels.norm_rope_reference(target, None, weight, table.float(), head_norm_eps=1e-6)
+            assert kernels.norm_rope_(target, None, weight, table, head_norm_eps=1e-6)
             tolerance = 1e-5 * float(want.float().abs().max()) if dtype == torch.float32 else \
                 2 ** -6 * float(want.float().abs().max())
             assert float((target.float() - want.float()).abs().max()) <= tolerance, (dtype, weight is None)
@@ -63,7 +63,7 @@ def test_norm_rope_kernel_matches_pytorch_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "cases 28" in done.stdout
+    assert "cases 30" in done.stdout
 
 
 def test_without_a_gpu_or_the_interpreter_the_kernel_declines():
