@@ -172,7 +172,29 @@ def lumina2() -> Case:
                 conds, kv_heads=4, heads=8)
 
 
-CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2}
+def ltx_video() -> Case:
+    """LTX-Video with its text padding mask on the cross-attention (2 x 4,096 video tokens;
+    tests/test_ltx_adapter.py's tiny model)."""
+    import torch
+    from test_ltx_adapter import CAPTION, ltx_model, text_mask
+    patcher = ltx_model()
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 4, 32, 32, generator=g), timestep=torch.tensor([0.5, 0.5]),
+                    context=torch.randn(2, 12, CAPTION, generator=g), attention_mask=text_mask(torch, 2),
+                    frame_rate=25)
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]],
+                [[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]])
+    return Case(patcher, inputs, "diffusion_model.transformer_blocks.0.attn1.to_q.weight",
+                torch.zeros(1, 16, 4, 32, 32), conds, 4)
+
+
+CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
+         "ltx_video": ltx_video}
 
 
 def case(name: str) -> Optional[Case]:

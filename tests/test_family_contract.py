@@ -2,7 +2,8 @@
 tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
 at every level, with and without block bounds, and really splits; a short sampling run equals stock; a LoRA on a
 q/k/v (or fused qkv) weight gives the LoRA's output; the unpatched model is stock again. Masks (HunyuanVideo's text
-padding, Qwen-Image's reference latents) and grouped-query heads (Lumina 2) are in the cases. Skipped without
+padding, LTX-Video's cross-attention text mask), Qwen-Image's reference latents and grouped-query heads
+(Lumina 2) are in the cases. Skipped without
 ComfyUI."""
 from __future__ import annotations
 
