@@ -153,12 +153,13 @@ def test_unknown_layouts_are_not_patched(env, flux):
 WIDTH, HEADS, IMG_TOKENS, TXT_TOKENS = 512, 16, 12288, 256
 
 
+@pytest.mark.parametrize("variant", ["flux1", "masked"], ids=["flux", "hunyuan_video-text-mask"])
 @pytest.mark.parametrize("which", ["double", "single"])
-def test_bounded_block_peak(env, flux, which):
+def test_bounded_block_peak(env, flux, which, variant):
     torch = env.torch
     memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
-    blocks = build_blocks(torch, "flux1", width=WIDTH, heads=HEADS, dtype=torch.bfloat16)
-    double_in, single_in = block_inputs(torch, "flux1", blocks, img_tokens=IMG_TOKENS, txt_tokens=TXT_TOKENS,
+    blocks = build_blocks(torch, variant, width=WIDTH, heads=HEADS, dtype=torch.bfloat16)
+    double_in, single_in = block_inputs(torch, variant, blocks, img_tokens=IMG_TOKENS, txt_tokens=TXT_TOKENS,
                                         batch=1, dtype=torch.bfloat16)
     block, inputs = (blocks[0], double_in) if which == "double" else (blocks[1], single_in)
     make = flux.double_block_forward if which == "double" else flux.single_block_forward
@@ -170,7 +171,7 @@ def test_bounded_block_peak(env, flux, which):
         stock = memory.measure_peak(block, **_clone(inputs), live=[block, list(inputs.values())])
         bounded = memory.measure_peak(bounded_forward, **_clone(inputs), live=[block, list(inputs.values())])
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
-    print(f"\nFlux {which} block {IMG_TOKENS}+{TXT_TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, "
+    print(f"\n{variant} {which} block {IMG_TOKENS}+{TXT_TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, "
           f"bounded {ratio_bounded:.2f}x|x|")
     assert ratio_bounded <= 2.5
     assert bounded.peak_bytes <= 0.4 * stock.peak_bytes
