@@ -16,14 +16,17 @@ class QKVPatch(io.ComfyNode):
             category="model_patches/attention",
             description="Runs the model's q/k/v projection and attention through ComfyUI-QKV: attention by groups "
                         "of heads and block-level bounds on every transient, for less VRAM at the same "
-                        "results. Put it after the model loader. Unsupported models pass through unchanged.",
+                        "results. Put it after the model loader. Adapted: Wan, Flux (1, 2, Chroma), HunyuanVideo, "
+                        "Qwen-Image, LTX-Video, Lumina 2 / Z-Image, Kandinsky 5; other models get the attention "
+                        "kernel only; anything unsupported passes through unchanged.",
             inputs=[
                 io.Model.Input("model"),
                 io.Combo.Input("head_split", options=list(LEVELS), default="High",
                                tooltip="Attend long sequences (8192+ tokens) one group of heads at a time. "
                                        "Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the higher, "
-                                       "the less VRAM and the more time (a Wan 14B block with block_bounds at "
-                                       "720p: Off 5.0, Low 2.75, High 2.4 times its input; High +2 % time)."),
+                                       "the less VRAM (a Wan 14B block with block_bounds at 720p: Off 5.0, "
+                                       "Low 2.75, High 2.4 times its input). Short blocks (images of about "
+                                       "1 MP) can run slower split."),
                 io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
                                tooltip="auto: the best installed kernel (SageAttention 2, FlashAttention, "
                                        "else PyTorch SDPA), or ComfyUI's dispatcher if another node set an "
