@@ -197,20 +197,77 @@ class PerHeadNormRope:
 
     def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
         """One Triton pass (CUDA): the norm over each head's channels and the RoPE, for torch RMSNorms."""
-        if not kernels.can_run(t) or (norm is not None and not (
-                isinstance(norm, torch.nn.RMSNorm) and tuple(norm.normalized_shape) == (t.shape[-1],))):
+        launch = self._fused_launch(t, start, stop, norm)
+        if launch is None:
             return False
-        weight, eps = None, None
-        if norm is not None:
-            if id(norm) not in self._weights:
-                self._weights[id(norm)] = (norm_weight(norm, t),)
-            weight = self._weights[id(norm)][0]
-            # torch's default: the epsilon of the type it computes in (float32 for 16-bit tensors too)
-            eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(t.dtype, torch.float32)).eps
+        launch()
+        return True
+
+    def query_all_heads_(self, query: torch.Tensor) -> bool:
+        """q of every head at once (the runtime's buffer of all heads' q, before the head groups run): fused
+        passes over every head instead of one per group. The norm over each head's own channels and the RoPE
+        shared by all heads make it the same math as group by group. Only where the fused passes can take every
+        stream (then True); else nothing is done (False) and each group's q is normalized as before (the
+        PyTorch path's scratch stays a group's)."""
+        launches = self._launches(query, 0)
+        if launches is None:
+            return False
+        for launch in launches:
+            launch()
+        return True
+
+    def _launches(self, t: torch.Tensor, which: int) -> Optional[list]:
+        """The fused passes over every stream of `t` (`which`: 0 queries, 1 keys), or None where one stream's
+        cannot run. Two adjacent streams whose norms differ only by their weights (Flux's and Qwen-Image's
+        text and image streams) take one pass, each token its stream's weight: one launch less."""
+        spans = [(start, stop, norms[which]) for start, stop, *norms in self.ranges
+                 if not (norms[which] is None and self.freqs is None)]
+        if len(spans) == 2 and spans[0][1] == spans[1][0]:
+            joined = self._fused_launch(t, spans[0][0], spans[1][1], spans[0][2], second=spans[1][2],
+                                        split=spans[0][1])
+            if joined is not None:
+                return [joined]
+        launches = [self._fused_launch(t, start, stop, norm) for start, stop, norm in spans]
+        return None if None in launches else launches
+
+    def _weight_eps(self, norm, t: torch.Tensor) -> tuple:
+        """A torch RMSNorm's weight cast for `t` (once a call) and its epsilon."""
+        if id(norm) not in self._weights:
+            self._weights[id(norm)] = (norm_weight(norm, t),)
+        # torch's default: the epsilon of the type it computes in (float32 for 16-bit tensors too)
+        eps = norm.eps if norm.eps is not None else torch.finfo(torch.promote_types(t.dtype, torch.float32)).eps
+        return self._weights[id(norm)][0], eps
+
+    def _fused_launch(self, t: torch.Tensor, start: int, stop: int, norm, second=False, split: int = 0):
+        """The kernel launch (`kernels.norm_rope_launch`) for the tokens [start, stop) of `t` and their norm, or
+        None. `second` (a norm, or None): the tokens from `split` on are another stream's, with that norm; one
+        launch only where the two norms differ by their weights alone (else None: one launch each)."""
+        if not kernels.can_run(t) or any(n is not None and not (
+                isinstance(n, torch.nn.RMSNorm) and tuple(n.normalized_shape) == (t.shape[-1],))
+                for n in (norm, None if second is False else second)):
+            return None
         freqs = None if self.freqs is None else self.freqs[:, start:stop]
-        return kernels.norm_rope_(t[:, start:stop], None, weight, freqs, head_norm_eps=eps)
+        if second is not False:
+            if (norm is None) != (second is None):
+                return None
+            if norm is not None:
+                (weight, eps), (weight2, eps2) = self._weight_eps(norm, t), self._weight_eps(second, t)
+                if eps != eps2 or (weight is None) != (weight2 is None):
+                    return None
+                if weight is not None:
+                    return kernels.norm_rope_launch(t[:, start:stop], None, weight, freqs, head_norm_eps=eps,
+                                                    weight2=weight2, split=split - start)
+                return kernels.norm_rope_launch(t[:, start:stop], None, None, freqs, head_norm_eps=eps)
+            return kernels.norm_rope_launch(t[:, start:stop], None, None, freqs)   # RoPE alone, both streams
+        weight, eps = (None, None) if norm is None else self._weight_eps(norm, t)
+        return kernels.norm_rope_launch(t[:, start:stop], None, weight, freqs, head_norm_eps=eps)
 
     def _apply_(self, t: torch.Tensor, which: int) -> None:
+        launches = self._launches(t, which)
+        if launches is not None:   # fused passes over every stream
+            for launch in launches:
+                launch()
+            return
         freqs = self.freqs
         for start, stop, *norms in self.ranges:
             norm = norms[which]

@@ -175,7 +175,7 @@ def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: 
     out = torch.empty_like(x)
     tokens = x.shape[1]
     for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() // 8))):
-        out[:, a:b] = modulated_chunk(block, norm(x[:, a:b]), mod, zero_from, a, b)
+        out.narrow(1, a, b - a).copy_(modulated_chunk(block, norm(x.narrow(1, a, b - a)), mod, zero_from, a, b))
     return out
 
 

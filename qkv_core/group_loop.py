@@ -61,19 +61,28 @@ class GroupLoop:
         group without a staged core (the attention's own result is returned: no buffer beside it, no copy, unless
         its shape or dtype differ). `q_in_out`: every group's q is already in its heads of `out`."""
         single = len(groups) == 1 and staged is None
+        q_normed = q_in_out and staged is None and self.normalize_all_queries(out)
         for index, group in enumerate(groups):
             last = index == len(groups) - 1
             if staged is not None:
                 self.attend_staged(staged, group, out, last)
                 continue
-            result = self.attend(group, out, last, q_in_out)
+            result = self.attend(group, out, last, q_in_out, q_normed)
             if single and tuple(result.shape) == self.output_shape and result.dtype == self.streams.dtype:
                 return result
             if out is None:
                 out = self.empty_output()
-            out[:, :, group.q.start:group.q.stop] = result
+            out.narrow(2, group.q.start, len(group.q)).copy_(result)
             del result
         return out
+
+    def normalize_all_queries(self, out: torch.Tensor) -> bool:
+        """Every head's q, already in `out`, normalized and rotated in place at once, before the groups run,
+        where the norm offers it (`norm_rope.query_all_heads_(q)`: a norm and a RoPE that treat each head
+        alike, in one fused pass per stream with no scratch): one launch per stream instead of one per group
+        and stream, the same math. False when it does not (each group's q is normalized as before)."""
+        whole = getattr(self.norm_rope, "query_all_heads_", None)
+        return bool(whole is not None and whole(out))
 
     def values(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """`(k, v)` of a group (`CallStreams.project_v`): v normalized by `norm_v` and joined with the prefix,
@@ -85,16 +94,18 @@ class GroupLoop:
         v = join_prefix(self.o.kv_prefix, "v", v, group.kv, self.streams.batch)
         return k, v
 
-    def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool) -> torch.Tensor:
+    def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool,
+               q_normed: bool = False) -> torch.Tensor:
         """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place. q, then k,
         then v, each normalized as soon as it is projected: the norm's scratch is live beside at most two of
         the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was projected into
-        this group's heads of `out` (normalized here in place, a strided view)."""
+        this group's heads of `out` (normalized here in place, a strided view, unless `q_normed`: every
+        head's q was normalized at once before the groups, `normalize_all_queries`)."""
         o, s = self.o, self.streams
         norm = self.norm_rope
         heads = slice(group.q.start, group.q.stop)
         q = out[:, :, heads] if q_in_out else s.project("q", group.q, last)
-        if norm is not None:
+        if norm is not None and not (q_in_out and q_normed):
             norm(q, None, group)
         if s.shared_kv:
             k, v = self.values(group, last, k_later=False)

@@ -26,10 +26,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, f_ptr, tokens, heads, head_eps,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, tokens, heads, head_eps, split,
                           stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft, stride_wh,
                           DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
-                          HAS_W: tl.constexpr, HAS_F: tl.constexpr, HEAD_NORM: tl.constexpr):
+                          HAS_W: tl.constexpr, HAS_W2: tl.constexpr, HAS_F: tl.constexpr,
+                          HEAD_NORM: tl.constexpr):
         # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
         # are read once and serve all its heads; each head's channels are one contiguous row
         block, batch = tl.program_id(0), tl.program_id(1)
@@ -53,7 +54,11 @@ if triton is not None:
             if HEAD_NORM:   # an RMSNorm over each head's channels (Flux's QKNorm, ...)
                 x = x * tl.rsqrt(tl.sum(x * x, axis=1) / DIM + head_eps)[:, None]
             if HAS_W:
-                x = x * tl.load(w_ptr + head * stride_wh + c).to(tl.float32)[None, :]
+                w = tl.load(w_ptr + head * stride_wh + c).to(tl.float32)[None, :]
+                if HAS_W2:   # two streams in one pass: the tokens from `split` on take the second weight
+                    w2 = tl.load(w2_ptr + head * stride_wh + c).to(tl.float32)[None, :]
+                    w = tl.where((t < split)[:, None], w, w2)
+                x = x * w
             if HAS_INV or HAS_W or HEAD_NORM:  # the norm's output is rounded before the rotation, as the model does
                 x = x.to(raw.dtype).to(tl.float32)
             if HAS_F:
@@ -78,47 +83,78 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     table: computed in float32 all the same, which its model does in 16 bits). `head_norm_eps`: an RMSNorm over each head's
     own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). Returns False (nothing done) when
     the kernel cannot take the call."""
-    if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
+    launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps)
+    if launch is None:
         return False
+    launch()
+    return True
+
+
+def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
+                     weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                     head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
+                     split: Optional[int] = None):
+    """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
+    kernel cannot take the call. A caller with several passes checks that every one can run before it runs
+    any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
+    instead: two adjacent streams whose norms differ only by their weights, in one pass."""
+    if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
+        return None
     batch, tokens, heads, dim = t.shape
     half = dim // 2
     if dim & (dim - 1) or dim < 16:  # tl.arange needs a power of two
-        return False
+        return None
     inv = t
     if inverse_rms is not None:
         inv = inverse_rms.reshape(inverse_rms.shape[0], inverse_rms.shape[1])
         if inv.shape[1] != tokens or inv.device != t.device:
-            return False
+            return None
     w = t
     if weight is not None:
         w = weight.reshape(-1)
         if w.numel() not in (dim, heads * dim) or not w.is_contiguous() or w.device != t.device:
-            return False
+            return None
+    w2 = w
+    if weight2 is not None:
+        w2 = weight2.reshape(-1)
+        if weight is None or split is None or w2.numel() != w.numel() or not w2.is_contiguous() \
+                or w2.device != t.device:
+            return None
     f = t
     if freqs is not None:
         f = freqs
         if f.dim() != 6 or f.shape[1] != tokens or f.shape[-3:] != (half, 2, 2) or f.device != t.device \
                 or f.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
+            return None
         if f.stride()[-3:] != (4, 2, 1):
             f = f.contiguous()
     block_t = max(1, 2048 // dim)
     grid = (triton.cdiv(tokens, block_t), batch)
-    _norm_rope_kernel[grid](
-        t, inv, w, f, tokens, heads, 0.0 if head_norm_eps is None else float(head_norm_eps),
-        t.stride(0), t.stride(1), t.stride(2),
-        inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
-        f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
-        dim if weight is not None and w.numel() == heads * dim else 0,
-        DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
-        HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None)
-    return True
+    args = (t, inv, w, w2, f, tokens, heads, 0.0 if head_norm_eps is None else float(head_norm_eps),
+            0 if split is None else int(split),
+            t.stride(0), t.stride(1), t.stride(2),
+            inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
+            f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
+            dim if weight is not None and w.numel() == heads * dim else 0)
+    meta = dict(DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
+                HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None)
+
+    def launch():
+        _norm_rope_kernel[grid](*args, **meta)
+    return launch
 
 
 def norm_rope_reference(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
                         weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
-                        head_norm_eps: Optional[float] = None) -> torch.Tensor:
+                        head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
+                        split: Optional[int] = None) -> torch.Tensor:
     """The same math in PyTorch, out of place (for tests and as the documentation of the kernel)."""
+    if weight2 is not None:   # two streams: each its own weight
+        return torch.cat((norm_rope_reference(t[:, :split], None if inverse_rms is None else inverse_rms[:, :split],
+                                              weight, None if freqs is None else freqs[:, :split], head_norm_eps),
+                          norm_rope_reference(t[:, split:], None if inverse_rms is None else inverse_rms[:, split:],
+                                              weight2, None if freqs is None else freqs[:, split:], head_norm_eps)),
+                         dim=1)
     out = t.float()
     if inverse_rms is not None:
         out = out * inverse_rms.reshape(t.shape[0], t.shape[1], 1, 1).float()

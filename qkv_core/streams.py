@@ -92,8 +92,8 @@ def join_streams(project: Callable[[TokenStream], torch.Tensor], streams, total_
         if joined is None:
             joined = torch.empty((part.shape[0], total_tokens, heads, head_dim), dtype=part.dtype,
                                  device=part.device)
-        joined[:, a:a + part.shape[1]] = part
-        a += part.shape[1]
+        joined.narrow(1, a, part.shape[1]).copy_(part)   # narrow + copy_: what the slice assignment does,
+        a += part.shape[1]                               # without its Python indexing
         del part
     return joined
 

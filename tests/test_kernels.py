@@ -71,3 +71,49 @@ def test_without_a_gpu_or_the_interpreter_the_kernel_declines():
         pytest.skip("this process runs Triton's interpreter")
     t = torch.randn(1, 8, 2, 32)
     assert kernels.norm_rope_(t, freqs=torch.randn(1, 8, 1, 16, 2, 2)) is False   # the caller's PyTorch path runs
+
+
+TWO_STREAMS = textwrap.dedent("""
+    import torch
+    from qkv_core import kernels
+    assert kernels.INTERPRET and kernels.triton is not None
+    g = torch.Generator().manual_seed(1)
+    cases = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        for split in (5, 16, 30):                                 # inside a block of tokens and on its edge
+            storage = torch.randn(2, 37, 5, 32, generator=g).to(dtype)
+            weights = [(torch.randn(32, generator=g) * 0.2 + 1).to(dtype) for _ in range(2)]
+            freqs = torch.randn(1, 37, 1, 16, 2, 2, generator=g)
+            joined, apart = storage.clone()[:, :, 1:4], storage.clone()[:, :, 1:4]
+            launch = kernels.norm_rope_launch(joined, None, weights[0], freqs, 1e-6, weight2=weights[1], split=split)
+            assert launch is not None
+            launch()
+            assert kernels.norm_rope_(apart[:, :split], None, weights[0], freqs[:, :split], 1e-6)
+            assert kernels.norm_rope_(apart[:, split:], None, weights[1], freqs[:, split:], 1e-6)
+            assert torch.equal(joined, apart), (dtype, split)    # one pass, the same numbers as two
+            want = kernels.norm_rope_reference(storage[:, :, 1:4], None, weights[0], freqs, 1e-6,
+                                               weight2=weights[1], split=split)
+            tolerance = 1e-5 if dtype == torch.float32 else 2 ** -6
+            assert float((joined.float() - want.float()).abs().max()) <= tolerance * float(want.float().abs().max())
+            cases += 1
+    t = torch.randn(1, 8, 2, 32)
+    assert kernels.norm_rope_launch(t, None, None, None, 1e-6, weight2=torch.ones(32), split=4) is None
+    assert kernels.norm_rope_launch(t, None, torch.ones(32), None, 1e-6, weight2=torch.ones(16), split=4) is None
+    print("cases", cases)
+""")
+
+
+def test_norm_rope_kernel_two_streams_in_one_pass_in_the_interpreter():
+    """Two adjacent streams, each with its own norm weight, in one launch: the numbers of one launch each."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", TWO_STREAMS], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cases 6" in done.stdout
+
+
+def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
+    if kernels.INTERPRET:
+        pytest.skip("this process runs Triton's interpreter")
+    assert kernels.norm_rope_launch(torch.randn(1, 8, 2, 32), freqs=torch.randn(1, 8, 1, 16, 2, 2)) is None
