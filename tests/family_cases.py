@@ -193,8 +193,29 @@ def ltx_video() -> Case:
                 torch.zeros(1, 16, 4, 32, 32), conds, 4)
 
 
+def sd3() -> Case:
+    """SD3.5 Medium's layout (per-head RMSNorm q/k, an `x_block_self_attn` block, the last context `pre_only`;
+    2 x 4,096 image tokens; tests/test_sd3_adapter.py's tiny model)."""
+    import torch
+    from test_sd3_adapter import CONTEXT, sd3_model
+    patcher = sd3_model("sd35_medium", num_blocks=2, x_block_self_attn_layers=[0], pos_embed_max_size=64,
+                        num_patches=64 * 64)
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timesteps=torch.tensor([700.0, 700.0]),
+                    context=torch.randn(2, 12, CONTEXT, generator=g), y=torch.randn(2, 32, generator=g))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, CONTEXT, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]],
+                [[torch.randn(1, 12, CONTEXT, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]])
+    return Case(patcher, inputs, "diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
+                torch.zeros(1, 16, 128, 128), conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
-         "ltx_video": ltx_video}
+         "ltx_video": ltx_video, "sd3": sd3}
 
 
 def case(name: str) -> Optional[Case]:

@@ -1,0 +1,220 @@
+"""The SD3-layout adapter (`nodes/sd3.py`) against a real ComfyUI: tiny random-weight MMDiTs built from ComfyUI's
+own SD3 config class (SD3 Medium's layout, SD3.5 Large's per-head RMSNorm, SD3.5 Medium's `x_block_self_attn`
+blocks, and the other layouts the block takes: LayerNorm q/k, RMSNorm blocks, SwiGLU, scale-only modulation):
+the patched diffusion model's output equals ComfyUI's own at every head-split level, with and without block
+bounds, and the head split really runs (the split floor is lowered to 0). The last block's context is
+`pre_only` in each. Skipped without ComfyUI."""
+from __future__ import annotations
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+LEVELS = ("Off", "Low", "Medium", "High")
+DEPTH = 4          # MMDiT: depth heads of 64 channels (hidden 256)
+HEADS = DEPTH
+CONTEXT = 32
+
+SD3_MEDIUM = {"in_channels": 16, "pos_embed_scaling_factor": None, "depth": DEPTH, "num_blocks": 3,
+              "patch_size": 2, "out_channels": 16, "adm_in_channels": 32, "pos_embed_max_size": 32,
+              "num_patches": 32 * 32, "qkv_bias": True,
+              "context_embedder_config": {"target": "torch.nn.Linear",
+                                          "params": {"in_features": CONTEXT, "out_features": 64 * DEPTH}}}
+LAYOUTS = {
+    "sd3_medium": {},
+    "sd35_large": {"qk_norm": "rms"},
+    "sd35_medium": {"qk_norm": "rms", "x_block_self_attn_layers": [0, 1]},
+    "ln_rmsnorm_swiglu": {"qk_norm": "ln", "rmsnorm": True, "swiglu": True},
+    "scale_mod_only": {"scale_mod_only": True},
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return comfy_env.pack_modules()
+
+
+@pytest.fixture
+def split_everything(env, monkeypatch):
+    """The runtime splits from the first token (the tiny models' sequences are short)."""
+    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
+
+
+def fill_norms_(module, seed=5):
+    """Per-head q/k norm weights near 1 (comfy_env.fill_random_ takes `ln_q.weight` for a bias), and the
+    position table (a buffer ComfyUI leaves uninitialised) seeded."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if getattr(module, "pos_embed", None) is not None:
+            module.pos_embed.copy_(0.5 * torch.randn(module.pos_embed.shape, generator=g))
+        for name, p in module.named_parameters():
+            if ".ln_q." in name or ".ln_k." in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def sd3_model(layout: str = "sd3_medium", **config):
+    """A float32 ModelPatcher of the tiny MMDiT of `layout` (`config`: more settings on top)."""
+    import torch
+    import comfy.model_patcher
+    import comfy.supported_models
+    model_config = comfy.supported_models.SD3({**SD3_MEDIUM, **LAYOUTS[layout], **config})
+    model_config.set_inference_dtype(torch.float32, None)
+    try:
+        model = model_config.get_model({}, device=torch.device("cpu"))
+    except Exception as error:   # noqa: BLE001 - a ComfyUI whose model takes other settings
+        pytest.skip(f"this ComfyUI builds no tiny SD3 ({layout}): {type(error).__name__}: {error}")
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    fill_norms_(model.diffusion_model)
+    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+
+
+def sd3_inputs(torch, latent=(1, 16, 32, 24), text_tokens=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return dict(x=torch.randn(*latent, generator=g), timesteps=torch.tensor([500.0] * latent[0]),
+                context=torch.randn(latent[0], text_tokens, CONTEXT, generator=g),
+                y=torch.randn(latent[0], 32, generator=g))
+
+
+def forward(patcher, inputs, applied=None):
+    import torch
+    if applied is not None:
+        applied.patch_model(load_weights=False)
+    try:
+        options = dict((applied or patcher).model_options.get("transformer_options", {}))
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
+                                                    for k, v in inputs.items()}, transformer_options=options)
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=False)
+
+
+def stock_fallbacks(env) -> list:
+    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
+    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+
+
+def rel_err(a, b):
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_equals_stock_at_every_level(env, split_everything, layout):
+    torch = env.torch
+    base = sd3_model(layout)
+    inputs = sd3_inputs(torch)
+    reference = forward(base, inputs)
+    for level in LEVELS:
+        for block in (False, True):
+            patched, report = env.node.apply_patch(base, level, "sdpa", block)
+            assert not report.skipped_reasons, report.lines()
+            assert {what: n for (family, what), n in report.patched_counts.items()} == {"joint block": 3}
+            env.core.reset_notices()
+            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
+                out = forward(base, inputs, applied=patched)
+            assert not stock_fallbacks(env), (layout, level, block)
+            assert rel_err(out, reference) <= 1e-5, (layout, level, block, rel_err(out, reference))
+            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
+    assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
+
+
+@pytest.mark.parametrize("layout", ["sd35_large", "sd35_medium"])
+def test_batch_of_two_and_bf16(env, split_everything, layout):
+    torch = env.torch
+    base = sd3_model(layout)
+    inputs = sd3_inputs(torch, latent=(2, 16, 16, 16))
+    reference = forward(base, inputs)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    env.core.reset_notices()
+    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
+    assert not stock_fallbacks(env)
+    base.model.diffusion_model.to(torch.bfloat16)
+    inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+                for k, v in inputs.items()}
+    stock16 = forward(base, inputs16).float()
+    ours16 = forward(base, inputs16, applied=patched).float()
+    assert not stock_fallbacks(env)
+    # bf16 round-off of a reordered computation, next to stock's own distance from float32
+    assert rel_err(ours16, reference) <= 2 * rel_err(stock16, reference) + 1e-2
+
+
+def test_block_inputs_are_not_written(env, split_everything):
+    """ComfyUI's block returns new tensors: the patched one leaves its inputs as they were (a context straight
+    from the conditioning, a patches_replace wrapper reading its arguments)."""
+    torch = env.torch
+    base = sd3_model("sd35_medium")
+    sd3 = env.node.sd3
+    config = env.node.QKVConfig(level=3, backend="sdpa", block=True)
+    g = torch.Generator().manual_seed(3)
+    for index in (0, 2):   # an x_block_self_attn block and the pre_only one
+        block = base.model.diffusion_model.joint_blocks[index]
+        context, x, c = torch.randn(1, 12, 256, generator=g), torch.randn(1, 300, 256, generator=g), \
+            torch.randn(1, 256, generator=g)
+        kept = (context.clone(), x.clone())
+        with torch.no_grad():
+            stock = block(context.clone(), x.clone(), c=c)
+            ours = sd3.block_forward(block, config)(context, x, c=c, transformer_options={})
+        assert torch.equal(context, kept[0]) and torch.equal(x, kept[1])
+        assert (ours[0] is None) == (stock[0] is None) == (index == 2)
+        assert rel_err(ours[1], stock[1]) <= 1e-5
+
+
+def test_patches_replace_blocks_keep_working(env, split_everything):
+    """A `patches_replace["dit"]` block (e.g. another node's wrapper) calls the patched forward through
+    ComfyUI's `original_block`."""
+    torch = env.torch
+    base = sd3_model("sd35_large")
+    inputs = sd3_inputs(torch)
+    calls = []
+
+    def replace(args, extra):
+        calls.append(1)
+        out = extra["original_block"](args)
+        return {"txt": out["txt"], "img": out["img"] * 0.5 + args["img"] * 0.5}   # reads its input after
+    base.set_model_patch_replace(replace, "dit", "double_block", 1)
+    reference = forward(base, inputs)
+    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
+    env.core.reset_notices()
+    out = forward(base, inputs, applied=patched)
+    assert not stock_fallbacks(env)
+    assert len(calls) == 2
+    assert rel_err(out, reference) <= 1e-5
+
+
+def test_unknown_argument_and_layout_run_stock(env, split_everything):
+    torch = env.torch
+    base = sd3_model("sd3_medium")
+    block = base.model.diffusion_model.joint_blocks[0]
+    forward_ = env.node.sd3.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
+    g = torch.Generator().manual_seed(4)
+    context, x, c = torch.randn(1, 12, 256, generator=g), torch.randn(1, 64, 256, generator=g), \
+        torch.randn(1, 256, generator=g)
+    env.core.reset_notices()
+    with torch.no_grad():
+        with pytest.raises(TypeError):   # ComfyUI's own block does not take it either: its error, not ours
+            forward_(context, x, c=c, new_argument=1)
+    assert any("new_argument" in line for line in stock_fallbacks(env))
+
+    class OtherMLP(torch.nn.Module):
+        def forward(self, t):
+            return t
+    block.x_block.mlp = OtherMLP()
+    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
+    assert any("MLP" in reason and any("joint_blocks.0" in path for path in paths)
+               for (_, reason), paths in report.skipped_reasons.items()), report.lines()
+    assert {what: n for (_, what), n in report.patched_counts.items()} == {"joint block": 2}
+
+
+def test_compare_takes_none_pairs_as_equal(env):
+    """The last block's context is None in both outputs: equal; None against a tensor is not."""
+    torch = env.torch
+    compat = env.compat
+    x = torch.randn(2, 8, 16)
+    assert compat.compare((None, x), (None, x.clone()), base=(None, torch.zeros_like(x))) is None
+    assert compat.compare((None, x), (x.clone(), x.clone())) is not None
+    assert compat.compare((x, x), (None, x.clone())) is not None
