@@ -112,8 +112,8 @@ class AttentionForm:
             raise ValueError(f"norm must be one of {NORM_KINDS}, not {self.norm!r}")
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"rope must be one of {ROPE_KINDS}, not {self.rope!r}")
-        if self.norm == NORM_PER_HEAD and self.rope not in (None, ROPE_PAIRS):
-            raise ValueError(f"a per-head norm takes pair RoPE here, not {self.rope!r}")
+        if self.norm == NORM_PER_HEAD and self.rope not in (None, ROPE_PAIRS, ROPE_SPLIT_HALF):
+            raise ValueError(f"a per-head norm takes pair RoPE (or split-half) here, not {self.rope!r}")
 
     def probe(self, module, heads: int, head_dim: int, kv_heads: Optional[int] = None) -> Optional[str]:
         kv_width = (heads if kv_heads is None else kv_heads) * head_dim
@@ -188,11 +188,14 @@ def rotate_rows(kind: str, freqs, t: torch.Tensor, a: int, b: int, heads: range)
 class PerHeadNormRope:
     """`norm_rope(query, key, group)` for norms over each head's channels: each stream's own norm on its token
     range (the module's norm, as the model runs it, rounded to the tensor's dtype), then RoPE on adjacent
-    pairs in float32, all in place by bounded token chunks. `freqs`: `(B or 1, N, 1, D/2, 2, 2)` over the
-    joined tokens, or None. `ranges`: (start, stop, norm_q, norm_k) per stream."""
+    pairs (`rope` ROPE_PAIRS) or on each head's halves (ROPE_SPLIT_HALF: Cosmos) in float32, all in place by
+    bounded token chunks. `freqs`: `(B or 1, N, 1, D/2, 2, 2)` over the joined tokens, or None. `ranges`:
+    (start, stop, norm_q, norm_k) per stream."""
 
-    def __init__(self, ranges: Sequence[tuple], freqs: Optional[torch.Tensor]):
-        self.ranges, self.freqs = list(ranges), freqs
+    def __init__(self, ranges: Sequence[tuple], freqs: Optional[torch.Tensor], rope: str = ROPE_PAIRS):
+        if rope not in (ROPE_PAIRS, ROPE_SPLIT_HALF):
+            raise ValueError(f"a per-head norm takes pair RoPE (or split-half) here, not {rope!r}")
+        self.ranges, self.freqs, self.rope = list(ranges), freqs, rope
         self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
 
     def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
@@ -242,6 +245,8 @@ class PerHeadNormRope:
         """The kernel launch (`kernels.norm_rope_launch`) for the tokens [start, stop) of `t` and their norm, or
         None. `second` (a norm, or None): the tokens from `split` on are another stream's, with that norm; one
         launch only where the two norms differ by their weights alone (else None: one launch each)."""
+        if self.rope != ROPE_PAIRS and self.freqs is not None:   # the kernel rotates adjacent pairs only
+            return None
         if not kernels.can_run(t) or any(n is not None and not (
                 isinstance(n, torch.nn.RMSNorm) and tuple(n.normalized_shape) == (t.shape[-1],))
                 for n in (norm, None if second is False else second)):
@@ -276,9 +281,11 @@ class PerHeadNormRope:
             if self._fused_(t, start, stop, norm):
                 continue
 
+            rotate = rope_rows if self.rope == ROPE_PAIRS else rope_split_half_rows
+
             def chunk(part, a, b, norm=norm):
                 out = part if norm is None else norm(part).to(part.dtype)   # over head_dim: any group
-                return out if freqs is None else rope_rows(out, freqs[:, a:b])
+                return out if freqs is None else rotate(out, freqs[:, a:b])
             rows_(t, chunk, start, stop)
 
     def __call__(self, query, key, group) -> None:
@@ -429,12 +436,15 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
         start += tokens
     norm_rope = None
     options = attention_kwargs(config, transformer_options, module, mask=mask)
-    if form.norm == NORM_SPANS_HEADS or (form.rope not in (None, ROPE_PAIRS) and freqs is not None):
+    per_head_rope = form.rope in (ROPE_PAIRS, ROPE_SPLIT_HALF) and form.norm == NORM_PER_HEAD
+    if form.norm == NORM_SPANS_HEADS or (form.rope not in (None, ROPE_PAIRS) and freqs is not None
+                                         and not per_head_rope):
         norm_rope = _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options, keep_keys)
     elif form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
         if form.norm is None:
             ranges = [(a, b, None, None) for a, b, _, _ in ranges]
-        norm_rope = PerHeadNormRope(ranges, freqs if form.rope == ROPE_PAIRS else None)
+        norm_rope = PerHeadNormRope(ranges, freqs if form.rope in (ROPE_PAIRS, ROPE_SPLIT_HALF) else None,
+                                    rope=form.rope or ROPE_PAIRS)
     if kv_heads is not None and kv_heads != heads:
         options["kv_heads"] = kv_heads
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)

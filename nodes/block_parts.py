@@ -102,13 +102,15 @@ class ChunkedMLP:
 
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],
                   add_: Callable[[torch.Tensor, torch.Tensor, int, int], None],
-                  fraction: int = FFN_CHUNK_FRACTION, gated: Optional[GatedMLP] = None) -> None:
+                  fraction: int = FFN_CHUNK_FRACTION, gated: Optional[GatedMLP] = None,
+                  like: Optional[torch.Tensor] = None) -> None:
     """`residual` (B, N, C) += its feed-forward, by token chunks, in place: for each chunk [a, b),
     `add_(residual[:, a:b], mlp(mlp_input(a, b)), a, b)` (the family's gate and sum). `mlp_input(a, b)` makes
     the chunk's input (e.g. norm + modulation of `residual[:, a:b]`); it is freed once the MLP has read it.
-    `gated`: the MLP's layout when it is a gated one (see `ChunkedMLP`)."""
+    `gated`: the MLP's layout when it is a gated one (see `ChunkedMLP`). `like`: a tensor of the dtype the MLP
+    computes in, where it is not the residual's (Cosmos keeps a float32 residual around 16-bit layers)."""
     batch, tokens, _ = residual.shape
-    chunked = ChunkedMLP(mlp, residual, gated)
+    chunked = ChunkedMLP(mlp, residual if like is None else like, gated)
     step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() // fraction))
     try:
         for a, b in token_ranges(tokens, step):

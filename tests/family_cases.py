@@ -214,8 +214,27 @@ def sd3() -> Case:
                 torch.zeros(1, 16, 128, 128), conds, 4)
 
 
+def cosmos_predict2() -> Case:
+    """Cosmos predict2 (text-to-image: one frame; split-half RoPE, per-head norms, text cross-attention, adaLN-LoRA;
+    2 x 68 x 68 = 2 x 4,624 tokens; tests/test_cosmos_adapter.py's tiny model)."""
+    import torch
+    from test_cosmos_adapter import TEXT_DIM, cosmos_model
+    patcher = cosmos_model()
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 1, 136, 136, generator=g), timesteps=torch.tensor([0.5, 0.5]),
+                    context=torch.randn(2, 12, TEXT_DIM, generator=g))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {}]], [[torch.randn(1, 12, TEXT_DIM, generator=g), {}]])
+    return Case(patcher, inputs, "diffusion_model.blocks.0.self_attn.q_proj.weight",
+                torch.zeros(1, 16, 1, 136, 136), conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
-         "ltx_video": ltx_video, "sd3": sd3}
+         "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2}
 
 
 def case(name: str) -> Optional[Case]:

@@ -1,0 +1,75 @@
+"""Peak memory of a real ComfyUI Cosmos predict2 block (`Block`), stock vs bounded (High, block switch on), computed
+in bf16 on CPU, with adaLN-LoRA modulation and ComfyUI's own RoPE table (`VideoRopePosition3DEmb`).
+
+|x| is one bf16 activation (tokens x width); peaks are the working set above the live inputs and weights,
+measured with MemTracker through `benchmarks.memory`. Skipped without ComfyUI.
+"""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import comfy_env
+
+pytestmark = pytest.mark.comfyui
+
+# 16 heads of 32 (the 2B model: 16 of 128): a model of 4 heads (4 groups at most) could not show the bound.
+# 3 x 64 x 64 = 12,288 video tokens, 128 text tokens.
+WIDTH, HEADS, FRAMES, SIDE, TEXT, TEXT_DIM = 512, 16, 3, 64, 128, 1024
+TOKENS = FRAMES * SIDE * SIDE
+
+
+def build_block(torch):
+    import comfy.ldm.cosmos.predict2 as predict2
+    import comfy.ops
+    block = predict2.Block(WIDTH, TEXT_DIM, HEADS, use_adaln_lora=True, adaln_lora_dim=256, dtype=torch.bfloat16,
+                           device=torch.device("cpu"), operations=comfy.ops.disable_weight_init)
+    comfy_env.fill_random_(block, seed=0)
+    return block.eval()
+
+
+def block_inputs(torch):
+    """The block's arguments as `MiniTrainDIT` makes them (RoPE `(1, T*H*W, 1, D/2, 2, 2)` float32)."""
+    from comfy.ldm.cosmos.position_embedding import VideoRopePosition3DEmb
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, FRAMES, SIDE, SIDE, WIDTH, generator=g).to(torch.bfloat16)
+    rope = VideoRopePosition3DEmb(head_dim=WIDTH // HEADS, len_h=SIDE, len_w=SIDE, len_t=FRAMES)
+    return dict(x_B_T_H_W_D=x, emb_B_T_D=torch.randn(1, 1, WIDTH, generator=g).to(torch.bfloat16),
+                crossattn_emb=torch.randn(1, TEXT, TEXT_DIM, generator=g).to(torch.bfloat16),
+                rope_emb_L_1_1_D=rope(x, fps=None).unsqueeze(1).unsqueeze(0),
+                adaln_lora_B_T_3D=(torch.randn(1, 1, 3 * WIDTH, generator=g) * 0.3).to(torch.bfloat16))
+
+
+def test_bounded_block_peak():
+    comfy_env.require_comfyui()
+    import torch
+    pack = comfy_env.load_pack()
+    cosmos = importlib.import_module(pack.__name__ + ".nodes.cosmos")
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
+    core = importlib.import_module(pack.__name__ + ".qkv_core")
+    try:
+        memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
+    except ImportError:
+        memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
+    block, inputs = build_block(torch), block_inputs(torch)
+    x = inputs.pop("x_B_T_H_W_D")
+    x_bytes = x.numel() * x.element_size()
+    config = node.QKVConfig(level=3, backend="sdpa", block=True)
+    bounded_forward = cosmos.bounded_block_forward(block, config)
+    # the bounded block adds into x in place: each run gets its own copy, made before it is measured
+    x_stock, x_bounded = x.clone(), x.clone()
+    live = [block, list(inputs.values()), x, x_stock, x_bounded]
+    with torch.no_grad():
+        core.reset_notices()
+        bounded_forward(x.clone(), **inputs)   # the self-check, outside the measurement
+        assert not [line for line in core.drain_notices() if "ComfyUI's own" in line]
+        stock = memory.measure_peak(block, x_stock, **inputs, live=live)
+        bounded = memory.measure_peak(bounded_forward, x_bounded, **inputs, live=live)
+    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    print(f"\nCosmos predict2 block {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
+          f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
+    assert ratio_bounded <= 2.5
+    assert bounded.peak_bytes <= 0.4 * stock.peak_bytes
+    err = float((bounded.result.float() - stock.result.float()).abs().max() / stock.result.float().abs().max())
+    assert err < 2e-2   # bf16 round-off: the same math in a different order of chunks
