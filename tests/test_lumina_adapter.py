@@ -298,8 +298,12 @@ env = comfy_env.pack_modules()
 kernels = env.core.kernels
 assert kernels.INTERPRET and kernels.triton is not None
 fused = []
-norm_rope_ = kernels.norm_rope_
-kernels.norm_rope_ = lambda *args, **kwargs: fused.append(norm_rope_(*args, **kwargs)) or fused[-1]
+for name in ("norm_rope_", "norm_rope_launch"):   # every entry point of the fused kernel
+    if hasattr(kernels, name):
+        def spy(*args, _real=getattr(kernels, name), **kwargs):
+            fused.append(_real(*args, **kwargs))
+            return fused[-1]
+        setattr(kernels, name, spy)
 base = t.lumina_model(t.ZIMAGE, "ZImage")
 with torch.no_grad():   # small q/k activations: where the norms' epsilon shows
     for module in base.model.diffusion_model.modules():
