@@ -225,6 +225,12 @@ def layers_signature(module) -> tuple:
                  for name, child in module.named_modules() if hasattr(child, "weight"))
 
 
+def hooks_set(transformer_options) -> frozenset:
+    """The names of the patch hooks other nodes set in `transformer_options["patches"]` (non-empty ones): part
+    of every guarded call's signature, and what some forwards refuse to run around."""
+    return frozenset(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
+
+
 def fresh_inputs(inputs: dict) -> dict:
     """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
     return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
@@ -277,4 +283,4 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
 
 __all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "probe_options", "mark_ours",
            "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
-           "CHECK_TOKENS", "bind_args", "unknown_args", "layers_signature", "fresh_inputs"]
+           "CHECK_TOKENS", "bind_args", "unknown_args", "layers_signature", "fresh_inputs", "hooks_set"]

@@ -48,9 +48,6 @@ MODULATIONS = ("self_attn", "cross_attn", "mlp")   # adaln_modulation_<name>, la
 
 
 # --- attention ----------------------------------------------------------------------------------------------
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def rope_refusal(rope_emb, tokens: int, heads: int, head_dim: int) -> Optional[str]:
     """None for the model's self-attention RoPE argument (rotation matrices `(1 or B, tokens, 1 or heads, D/2,
@@ -66,7 +63,7 @@ def rope_refusal(rope_emb, tokens: int, heads: int, head_dim: int) -> Optional[s
 def attention_refusal(module, x, context, rope_emb, transformer_options) -> Optional[str]:
     """Why the pack's attention must not take this call (ComfyUI's forward then runs), else None."""
     hook = "attn1_patch" if module.is_selfattn else "attn2_patch"
-    if hook in _hooks(transformer_options):
+    if hook in compat.hooks_set(transformer_options):
         return f"another node's {hook} (ComfyUI calls it on the whole q/k/v inputs)"
     if getattr(module, "attn_op", None) is not predict2.torch_attention_op:
         return "its attn_op was replaced"
@@ -234,7 +231,7 @@ def _attention_signature(module, config, bound) -> tuple:
     options = bound.get("transformer_options") or {}
     x = bound["x"]
     return ("attention", _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, bound.get("context") is None,
+            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("context") is None,
             _rope_layout(bound.get("rope_emb")))
 
 
@@ -280,7 +277,7 @@ def _block_signature(block, config, bound) -> tuple:
     options = bound.get("transformer_options") or {}
     x, emb = bound["x_B_T_H_W_D"], bound["emb_B_T_D"]
     return ("block", _stock_functions(block), compat.layers_signature(block), x.dtype, emb.dtype, x.device.type,
-            config, _hooks(options), "optimized_attention_override" in options,
+            config, compat.hooks_set(options), "optimized_attention_override" in options,
             _rope_layout(bound.get("rope_emb_L_1_1_D")), emb.shape[1] == 1,
             bound.get("adaln_lora_B_T_3D") is None, bound.get("extra_per_block_pos_emb") is None)
 
@@ -323,7 +320,7 @@ def _refuse_block(block):
         if extra is not None and (not torch.is_tensor(extra) or extra.shape != x.shape):
             return "an extra position embedding of another shape"
         options = bound.get("transformer_options")
-        if "mlp_patch" in _hooks(options):
+        if "mlp_patch" in compat.hooks_set(options):
             return "another node's mlp_patch (ComfyUI calls it on the whole MLP input)"
         tokens = x.flatten(1, 3)   # a view: the attention's (B, N, D)
         return attention_refusal(block.self_attn, tokens, None, bound.get("rope_emb_L_1_1_D"), options) \

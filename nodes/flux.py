@@ -268,12 +268,9 @@ def _stock_functions(block) -> tuple:
     return (type(block).forward,)
 
 
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def _refuse_call(bound) -> Optional[str]:
-    inside = sorted(_hooks(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
+    inside = sorted(compat.hooks_set(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
     if inside:
         return f"another node's {', '.join(inside)} hook needs whole q/k/v"
     return None
@@ -286,7 +283,7 @@ def _signature(kind: str, block, config, bound: dict) -> tuple:
                  if bound.get(name) is not None)
     x = bound["img"] if "img" in bound else bound["x"]
     return (kind, _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, bound.get("pe") is None,
+            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("pe") is None,
             None if mask is None else (mask.dim(), mask.dtype), dims, torch.is_tensor(bound.get("vec")))
 
 

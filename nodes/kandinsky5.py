@@ -191,7 +191,7 @@ def _signature(kind: str, module, config, bound: dict) -> tuple:
     x = bound["x"] if "x" in bound else bound["visual_embed"]
     freqs = bound.get("freqs")
     return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            frozenset(name for name, hooks in options.get("patches", {}).items() if hooks),
+            compat.hooks_set(options),
             "optimized_attention_override" in options, None if freqs is None else (freqs.dim(), freqs.dtype))
 
 

@@ -301,9 +301,6 @@ def _stock_functions(module) -> tuple:
     return (type(module).forward,) + tuple(type(part).forward for part in parts if part is not None)
 
 
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def _mask_layout(mask):
     return None if mask is None else (mask.dim(), tuple(mask.shape[1:-1]) != (1,) * (mask.dim() - 2), mask.dtype)
@@ -313,7 +310,7 @@ def _attention_signature(module, config, bound) -> tuple:
     options = bound.get("transformer_options") or {}
     x = bound["x"]
     return ("attention", _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, bound.get("context") is None,
+            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("context") is None,
             _rope_layout(bound.get("pe")), _rope_layout(bound.get("k_pe")), _mask_layout(bound.get("mask")))
 
 
@@ -380,7 +377,7 @@ def _block_signature(block, config, bound) -> tuple:
     options = bound.get("transformer_options") or {}
     x, timestep = bound["x"], bound.get("timestep")
     return ("block", _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, _rope_layout(bound.get("pe")),
+            compat.hooks_set(options), "optimized_attention_override" in options, _rope_layout(bound.get("pe")),
             _mask_layout(bound.get("attention_mask")), _mask_layout(bound.get("self_attention_mask")),
             None if timestep is None else timestep.shape[1] == 1, bound.get("prompt_timestep") is None)
 

@@ -255,9 +255,6 @@ def _stock_functions(module) -> tuple:
     return (type(module).forward, type(module.attention).forward, type(module.feed_forward).forward)
 
 
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def _refuse_attention_call(bound) -> Optional[str]:
     if bound.get("qkv") is not None:
@@ -269,7 +266,7 @@ def _signature(kind: str, module, config, bound: dict) -> tuple:
     options = bound.get("transformer_options") or {}
     x, mask, freqs = bound["x"], bound.get("x_mask"), bound.get("freqs_cis")
     return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options,
+            compat.hooks_set(options), "optimized_attention_override" in options,
             None if mask is None else (mask.dim(), mask.dtype), None if freqs is None else freqs.dim(),
             bound.get("adaln_input") is None, bound.get("timestep_zero_index") is None)
 

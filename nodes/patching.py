@@ -33,7 +33,7 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
         return 1.0, "ComfyUI's estimate until the pack's forwards have passed their self-check in this process"
-    hooks = sorted(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
+    hooks = sorted(compat.hooks_set(transformer_options))
     if hooks:
         return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)

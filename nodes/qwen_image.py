@@ -252,12 +252,9 @@ def _stock_functions(module) -> tuple:
     return (type(module).forward,)
 
 
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def _refuse_call(bound) -> Optional[str]:
-    inside = sorted(_hooks(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
+    inside = sorted(compat.hooks_set(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
     if inside:
         return f"another node's {', '.join(inside)} hook needs whole q/k/v"
     if bound.get("attention_mask") is not None:
@@ -279,7 +276,7 @@ def _signature(kind: str, module, config, bound: dict) -> tuple:
     tokens = img.shape[1] + bound["encoder_hidden_states"].shape[1]
     options = bound.get("transformer_options") or {}
     return (kind, _stock_functions(module), compat.layers_signature(module), img.dtype, img.device.type, config,
-            _hooks(options), "optimized_attention_override" in options,
+            compat.hooks_set(options), "optimized_attention_override" in options,
             None if freqs is None else (rope_token_dim(freqs, tokens), freqs.dtype),
             None if mask is None else (mask.dim(), mask.dtype), bound.get("timestep_zero_index") is None)
 

@@ -265,9 +265,6 @@ def _stock_functions(block) -> tuple:
             mmdit.DismantledBlock.post_attention_x)
 
 
-def _hooks(options) -> frozenset:
-    return frozenset(name for name, hooks in (options or {}).get("patches", {}).items() if hooks)
-
 
 def _refuse_call(bound) -> Optional[str]:
     if not torch.is_tensor(bound.get("context")) or not torch.is_tensor(bound.get("x")):
@@ -279,7 +276,7 @@ def _signature(block, config, bound: dict) -> tuple:
     options = bound.get("transformer_options") or {}
     x = bound["x"]
     return ("joint", _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            _hooks(options), "optimized_attention_override" in options, bound["context"].dtype)
+            compat.hooks_set(options), "optimized_attention_override" in options, bound["context"].dtype)
 
 
 def _check_inputs(block, bound: dict) -> dict:

@@ -357,7 +357,7 @@ def _signature(kind: str, module, config, bound: dict) -> tuple:
     e, img_len = bound.get("e"), bound.get("context_img_len")
     e_layout = None if e is None else (e.ndim, e.shape[1] == 1, e.shape[1] == x.shape[1])
     return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            frozenset(name for name, hooks in options.get("patches", {}).items() if hooks),
+            compat.hooks_set(options),
             "optimized_attention_override" in options, e_layout, img_len is None, bound.get("freqs") is None)
 
 
