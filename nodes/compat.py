@@ -231,6 +231,13 @@ def hooks_set(transformer_options) -> frozenset:
     return frozenset(name for name, hooks in (transformer_options or {}).get("patches", {}).items() if hooks)
 
 
+def hooks_refusal(transformer_options, names) -> Optional[str]:
+    """Why a forward must run ComfyUI's own: another node set one of the hooks `names` that ComfyUI's forward
+    calls on whole q/k/v (the head split never holds them), else None."""
+    inside = sorted(hooks_set(transformer_options) & set(names))
+    return f"another node's {', '.join(inside)} hook needs whole q/k/v" if inside else None
+
+
 def fresh_inputs(inputs: dict) -> dict:
     """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
     return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
@@ -283,4 +290,4 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
 
 __all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "probe_options", "mark_ours",
            "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
-           "CHECK_TOKENS", "bind_args", "unknown_args", "layers_signature", "fresh_inputs", "hooks_set"]
+           "CHECK_TOKENS", "bind_args", "unknown_args", "layers_signature", "fresh_inputs", "hooks_set", "hooks_refusal"]

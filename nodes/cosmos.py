@@ -63,8 +63,9 @@ def rope_refusal(rope_emb, tokens: int, heads: int, head_dim: int) -> Optional[s
 def attention_refusal(module, x, context, rope_emb, transformer_options) -> Optional[str]:
     """Why the pack's attention must not take this call (ComfyUI's forward then runs), else None."""
     hook = "attn1_patch" if module.is_selfattn else "attn2_patch"
-    if hook in compat.hooks_set(transformer_options):
-        return f"another node's {hook} (ComfyUI calls it on the whole q/k/v inputs)"
+    reason = compat.hooks_refusal(transformer_options, (hook,))
+    if reason is not None:
+        return reason
     if getattr(module, "attn_op", None) is not predict2.torch_attention_op:
         return "its attn_op was replaced"
     if not torch.is_tensor(x) or x.dim() != 3:

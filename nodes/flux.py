@@ -270,10 +270,7 @@ def _stock_functions(block) -> tuple:
 
 
 def _refuse_call(bound) -> Optional[str]:
-    inside = sorted(compat.hooks_set(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
-    if inside:
-        return f"another node's {', '.join(inside)} hook needs whole q/k/v"
-    return None
+    return compat.hooks_refusal(bound.get("transformer_options"), HOOKS_RUN_INSIDE)
 
 
 def _signature(kind: str, block, config, bound: dict) -> tuple:

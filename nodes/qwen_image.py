@@ -254,9 +254,9 @@ def _stock_functions(module) -> tuple:
 
 
 def _refuse_call(bound) -> Optional[str]:
-    inside = sorted(compat.hooks_set(bound.get("transformer_options")) & set(HOOKS_RUN_INSIDE))
-    if inside:
-        return f"another node's {', '.join(inside)} hook needs whole q/k/v"
+    reason = compat.hooks_refusal(bound.get("transformer_options"), HOOKS_RUN_INSIDE)
+    if reason is not None:
+        return reason
     if bound.get("attention_mask") is not None:
         return "an attention_mask argument (ComfyUI's blocks pass none; its use differs between versions)"
     txt = bound.get("encoder_hidden_states")
