@@ -43,6 +43,14 @@ def attribute(module, path: Optional[str]):
     return module
 
 
+def is_rms_norm(norm, channels: int) -> bool:
+    """Is `norm` an RMSNorm-like module over `channels` (an `eps`, and a weight of that size or none)? The
+    probe every adapter runs on its q/k and block norms (whether it computes what ComfyUI's does is the
+    self-check's job)."""
+    weight = getattr(norm, "weight", None)
+    return hasattr(norm, "eps") and (weight is None or tuple(weight.shape) == (channels,))
+
+
 def _out_features(linear) -> Optional[int]:
     weight = getattr(linear, "weight", None)
     if weight is None or weight.dim() != 2:
@@ -484,7 +492,7 @@ def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, t
                                head_split_level=config.level, **options)
 
 
-__all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
+__all__ = ["is_rms_norm", "NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
            "ROPE_COS_SIN_HALVES", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend", "rope_rows",
            "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
            "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]

@@ -27,7 +27,7 @@ import torch
 import comfy.ldm.cosmos.predict2 as predict2
 
 from . import compat
-from .attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute
+from .attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
 from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
@@ -103,9 +103,7 @@ def probe_attention(module) -> Optional[str]:
     if reason:
         return reason
     for name in ("q_norm", "k_norm"):
-        norm = attribute(module, name)
-        weight = getattr(norm, "weight", None)
-        if not hasattr(norm, "eps") or (weight is not None and tuple(weight.shape) != (head_dim,)):
+        if not is_rms_norm(attribute(module, name), head_dim):
             return f"{name} is not an RMSNorm over {head_dim} channels"
     if not isinstance(getattr(module, "v_norm", None), torch.nn.Identity):
         return "v_norm is not an Identity"

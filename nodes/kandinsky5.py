@@ -31,7 +31,7 @@ except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matc
     kandinsky_model = None
 
 from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import foreign_part, mlp_residual_
 from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
@@ -59,11 +59,6 @@ def _takes(module, names: tuple) -> Optional[str]:
     return None
 
 
-def _norm_ok(norm, dim: int) -> bool:
-    weight = getattr(norm, "weight", None)
-    return hasattr(norm, "eps") and (weight is None or tuple(weight.shape) == (dim,))
-
-
 def probe_attention(attention) -> Optional[str]:
     """None when a `SelfAttention` has the structure the pack's forward uses (whether it computes the same is
     the self-check's job)."""
@@ -76,7 +71,7 @@ def probe_attention(attention) -> Optional[str]:
     reason = SELF_ATTENTION.probe(attention, heads, head_dim)
     if reason:
         return reason
-    if not all(_norm_ok(norm, head_dim) for norm in (attention.query_norm, attention.key_norm)):
+    if not all(is_rms_norm(norm, head_dim) for norm in (attention.query_norm, attention.key_norm)):
         return f"query_norm/key_norm are not RMSNorms over {head_dim} channels"
     weight = getattr(getattr(attention, "out_layer", None), "weight", None)
     if weight is None or weight.dim() != 2 or weight.shape[1] != heads * head_dim:

@@ -37,7 +37,7 @@ except ImportError:   # an older ComfyUI
 
 from . import compat
 from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_PAIRS,
-                        ROPE_SPLIT_HALF, StreamProjections, attend, attribute)
+                        ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
 from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
@@ -162,9 +162,7 @@ def probe_attention(module) -> Optional[str]:
     if reason:
         return reason
     for name in ("q_norm", "k_norm"):
-        norm = attribute(module, name)
-        weight = getattr(norm, "weight", None)
-        if not hasattr(norm, "eps") or (weight is not None and tuple(weight.shape) != (width,)):
+        if not is_rms_norm(attribute(module, name), width):
             return f"{name} is not an RMSNorm over {width} channels"
     if getattr(module, "attn_precision", None) is not None:
         return f"attn_precision {module.attn_precision} (the pack's kernels keep the inputs' precision)"

@@ -33,7 +33,7 @@ import torch
 import comfy.ldm.lumina.model as lumina_model
 
 from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend
+from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import GatedMLP, foreign_part, mlp_residual_
 from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
@@ -90,11 +90,6 @@ def _form(attention) -> AttentionForm:
     return NORMED if _normed(attention) else UNNORMED
 
 
-def _norm_ok(norm, dim: int) -> bool:
-    weight = getattr(norm, "weight", None)
-    return hasattr(norm, "eps") and (weight is None or tuple(weight.shape) == (dim,))
-
-
 def _linear_ok(linear, out_features: int, in_features: int) -> bool:
     weight = getattr(linear, "weight", None)
     return weight is not None and weight.dim() == 2 and tuple(weight.shape) == (out_features, in_features)
@@ -117,7 +112,7 @@ def probe_attention(attention) -> Optional[str]:
     reason = _form(attention).probe(attention, heads, head_dim, kv_heads)
     if reason:
         return reason
-    if _normed(attention) and not all(_norm_ok(norm, head_dim) for norm in (attention.q_norm, attention.k_norm)):
+    if _normed(attention) and not all(is_rms_norm(norm, head_dim) for norm in (attention.q_norm, attention.k_norm)):
         return f"q_norm/k_norm are not RMSNorms over {head_dim} channels"
     if not _normed(attention) and not isinstance(getattr(attention, "k_norm", None), torch.nn.Identity):
         return "a k_norm without a q_norm"
@@ -142,7 +137,7 @@ def probe_block(block) -> Optional[str]:
     if not isinstance(dim, int) or not _linear_ok(attention.out, dim, attention.n_local_heads * attention.head_dim):
         return "attention.out does not map the heads back to the block's width"
     for name in ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2"):
-        if not _norm_ok(getattr(block, name, None), dim):
+        if not is_rms_norm(getattr(block, name, None), dim):
             return f"{name} is not an RMSNorm over {dim} channels"
     layers = SWIGLU.linears(getattr(block, "feed_forward", None))
     if layers is None:

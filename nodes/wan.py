@@ -21,7 +21,8 @@ import comfy.model_management
 
 from ..qkv_core import WholeProjection, cross_qkv_attention
 from . import compat
-from .attention import NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend
+from .attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
+                        is_rms_norm)
 from .block_parts import output_projection_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
@@ -53,8 +54,7 @@ def _norm_ok(module, name: str, dim: int) -> Optional[str]:
         return f"no {name}"
     if isinstance(norm, torch.nn.Identity):
         return None
-    weight = getattr(norm, "weight", None)
-    if not hasattr(norm, "eps") or (weight is not None and tuple(weight.shape) != (dim,)):
+    if not is_rms_norm(norm, dim):
         return f"{name} is not an RMSNorm over {dim} channels"
     return None
 
