@@ -850,6 +850,48 @@ def run_sample(patcher, kind=None, frames=2, h=8, w=8, batch=1, steps=3, cfg=5.0
 
 
 # --------------------------------------------------------------------------------------------------
+# What the family adapters' tests share
+# --------------------------------------------------------------------------------------------------
+
+def fresh(value):
+    """A copy of a forward argument the model may write: tensors cloned, lists of tensors too."""
+    import torch
+    if torch.is_tensor(value):
+        return value.clone()
+    return [v.clone() if torch.is_tensor(v) else v for v in value] if isinstance(value, list) else value
+
+
+def model_forward(patcher, inputs, applied=None, options=None):
+    """`patcher`'s diffusion model on fresh copies of `inputs`, with `applied`'s object patches in place (None:
+    as loaded) and its transformer_options (plus `options`)."""
+    import torch
+    if applied is not None:
+        applied.patch_model(load_weights=False)
+    try:
+        transformer_options = dict((applied or patcher).model_options.get("transformer_options", {}))
+        transformer_options.update(options or {})
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**{k: fresh(v) for k, v in inputs.items()},
+                                                 transformer_options=transformer_options)
+    finally:
+        if applied is not None:
+            applied.unpatch_model(unpatch_weights=False)
+
+
+def stock_fallbacks(env) -> list:
+    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
+    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| in float64 (the largest over paired outputs for lists and tuples)."""
+    if isinstance(b, (list, tuple)):
+        return max(rel_err(x, y) for x, y in zip(a, b))
+    a, b = a.double(), b.double()
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# --------------------------------------------------------------------------------------------------
 # Command line (scripts/test): `python3 tests/comfy_env.py roots` / `missing FILE`; imports nothing of ComfyUI
 # --------------------------------------------------------------------------------------------------
 

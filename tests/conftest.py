@@ -44,3 +44,10 @@ RUN_LAST = ("test_wan_dynamic_vram_gpu.py",)
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.fspath.basename in RUN_LAST)   # stable: the rest keep their order
+
+
+@pytest.fixture
+def split_everything(env, monkeypatch):
+    """The runtime splits from the first token (the tiny models' sequences are short). `env`: the test
+    module's fixture (`comfy_env.pack_modules()`)."""
+    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)

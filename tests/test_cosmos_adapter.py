@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -33,12 +34,6 @@ def env():
 @pytest.fixture(scope="module")
 def cosmos(env):
     return importlib.import_module(env.pack.__name__ + ".nodes.cosmos")
-
-
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny models' sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
 
 
 def cosmos_model(dtype=None, **extra):
@@ -68,30 +63,6 @@ def cosmos_inputs(torch, batch=1, frames=3, side=16, per_frame_timesteps=False, 
     out = dict(x=torch.randn(batch, 16, frames, side, side, generator=g), timesteps=timesteps,
                context=torch.randn(batch, 12, TEXT_DIM, generator=g))
     return {k: v.to(dtype) for k, v in out.items()} if dtype is not None else out
-
-
-def forward(patcher, inputs, applied=None, options=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        transformer_options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        transformer_options.update(options or {})
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: v.clone() for k, v in inputs.items()},
-                                                 transformer_options=transformer_options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
 def patched_counts(report) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -22,12 +23,6 @@ FLUX1 = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_d
 @pytest.fixture(scope="module")
 def env():
     return comfy_env.pack_modules()
-
-
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny models' sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
 
 
 def _flux_model(config: dict, config_class: str = "Flux"):
@@ -54,29 +49,6 @@ def _flux_inputs(torch, latent=(1, 16, 32, 24), text_tokens=12, seed=1):
     return dict(x=torch.randn(*latent, generator=g), timestep=torch.tensor([0.5] * latent[0]),
                 context=torch.randn(latent[0], text_tokens, 32, generator=g),
                 y=torch.randn(latent[0], 32, generator=g))
-
-
-def forward(patcher, inputs, applied=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
-                                                    for k, v in inputs.items()}, transformer_options=options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def _check_every_level(env, base, inputs, blocks: dict):

@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -29,12 +30,6 @@ def env():
         pytest.skip("this ComfyUI has no Kandinsky 5")
     env.kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.kandinsky5")
     return env
-
-
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny models' sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
 
 
 def kandinsky_model(config: dict = VIDEO, config_class: str = "Kandinsky5"):
@@ -56,29 +51,6 @@ def kandinsky_inputs(torch, latent=(1, 33, 3, 16, 12), text_tokens=10, seed=1):
     return dict(x=torch.randn(*latent, generator=g), timestep=torch.tensor([0.6] * latent[0]),
                 context=torch.randn(latent[0], text_tokens, TEXT_DIM, generator=g),
                 y=torch.randn(latent[0], POOLED_DIM, generator=g))
-
-
-def forward(patcher, inputs, applied=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
-                                                    for k, v in inputs.items()}, transformer_options=options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def test_video_equals_stock_at_every_level(env, split_everything):

@@ -13,6 +13,7 @@ import importlib
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -36,12 +37,6 @@ def env():
 @pytest.fixture(scope="module")
 def ltx(env):
     return importlib.import_module(env.pack.__name__ + ".nodes.ltx")
-
-
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny models' sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
 
 
 def ltx_model(config: dict = LTXV, config_class: str = "LTXV", **extra):
@@ -89,39 +84,6 @@ def ltx2_inputs(torch, seed=1, audio_tokens=40):
     return dict(x=[torch.randn(1, 16, 3, 8, 8, generator=g), torch.randn(1, 8, audio_tokens, 16, generator=g)],
                 timestep=torch.tensor([0.5]), context=torch.randn(1, 12, 2 * CAPTION, generator=g),
                 attention_mask=text_mask(torch, 1), frame_rate=25, audio_length=audio_tokens)
-
-
-def _fresh(value):
-    import torch
-    if torch.is_tensor(value):
-        return value.clone()
-    return [v.clone() for v in value] if isinstance(value, list) else value
-
-
-def forward(patcher, inputs, applied=None, options=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        transformer_options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        transformer_options.update(options or {})
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: _fresh(v) for k, v in inputs.items()},
-                                                 transformer_options=transformer_options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    if isinstance(b, (list, tuple)):
-        return max(rel_err(x, y) for x, y in zip(a, b))
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def patched_counts(report) -> dict:
@@ -261,7 +223,7 @@ def test_lora_gives_the_same_output(env, split_everything, lowvram):
         try:
             options = dict(patcher.model_options.get("transformer_options", {}))
             with torch.no_grad():
-                return patcher.model.diffusion_model(**{k: _fresh(v) for k, v in inputs.items()},
+                return patcher.model.diffusion_model(**{k: comfy_env.fresh(v) for k, v in inputs.items()},
                                                      transformer_options=options)
         finally:
             patcher.unpatch_model()

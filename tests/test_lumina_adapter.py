@@ -10,6 +10,7 @@ import importlib
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -35,12 +36,6 @@ def env():
     env = comfy_env.pack_modules()
     env.lumina = importlib.import_module(env.pack.__name__ + ".nodes.lumina")
     return env
-
-
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny models' sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
 
 
 def lumina_model(config: dict, config_class: str = "Lumina2"):
@@ -75,29 +70,6 @@ def lumina_inputs(torch, latent=(1, 16, 32, 24), caption_tokens=12, seed=1):
     return dict(x=torch.randn(*latent, generator=g), timesteps=torch.tensor([0.6] * latent[0]),
                 context=torch.randn(latent[0], caption_tokens, CAPTION_DIM, generator=g),
                 num_tokens=caption_tokens)
-
-
-def forward(patcher, inputs, applied=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
-                                                    for k, v in inputs.items()}, transformer_options=options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def _blocks(model) -> int:

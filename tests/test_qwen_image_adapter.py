@@ -11,6 +11,7 @@ import importlib
 import pytest
 
 import comfy_env
+from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -32,12 +33,6 @@ def qwen(env):
     return importlib.import_module(env.pack.__name__ + ".nodes.qwen_image")
 
 
-@pytest.fixture
-def split_everything(env, monkeypatch):
-    """The runtime splits from the first token (the tiny model's sequences are short)."""
-    monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 0)
-
-
 def qwen_model(config: dict = QWEN, config_class: str = "QwenImage"):
     import torch
     import comfy.model_patcher
@@ -56,29 +51,6 @@ def qwen_inputs(torch, latent=(1, 16, 1, 32, 24), text_tokens=12, seed=1, **extr
     g = torch.Generator().manual_seed(seed)
     return dict(x=torch.randn(*latent, generator=g), timestep=torch.tensor([0.5] * latent[0]),
                 context=torch.randn(latent[0], text_tokens, TEXT_WIDTH, generator=g), **extra)
-
-
-def forward(patcher, inputs, applied=None):
-    import torch
-    if applied is not None:
-        applied.patch_model(load_weights=False)
-    try:
-        options = dict((applied or patcher).model_options.get("transformer_options", {}))
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
-                                                    for k, v in inputs.items()}, transformer_options=options)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=False)
-
-
-def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
 
 
 def patched_counts(report) -> dict:
