@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..nodes import flux, qwen_image
+from ..nodes import flux, hidream, qwen_image
 from ..nodes.dispatch import QKVConfig
 from . import memory
 
@@ -110,14 +110,68 @@ def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24, ba
     return build
 
 
+def hidream_attention_only(block, config):
+    """HiDream's block as the pack runs it: ComfyUI's block (its MoE feed-forward stays ComfyUI's) around the
+    pack's attention, installed for the call only (the same block object serves as stock)."""
+    attn = block.attn1
+    forward = hidream.attention_forward(attn, config)
+
+    def call(**inputs):
+        attn.forward = forward
+        try:
+            return block(**inputs)
+        finally:
+            del attn.forward
+    return call
+
+
+def hidream_case(side_tokens: int, text_tokens: int = 384, width=2560, heads=20):
+    """HiDream-I1's double block (width 2560, 20 heads of 128, 4 routed experts of which 2 per token, one shared
+    expert): `side_tokens`^2 image tokens and the text stream (T5 + two Llama layers' tokens)."""
+    def build(device, dtype):
+        import comfy.ldm.hidream.model as hidream_model
+        import comfy.ops
+        block = hidream_model.HiDreamImageTransformerBlock(width, heads, width // heads, 4, 2, dtype=dtype,
+                                                           device=device, operations=comfy.ops.disable_weight_init)
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+                else:
+                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+        tokens = side_tokens ** 2
+        ids = torch.zeros(1, tokens + text_tokens, 3, device=device)
+        ids[0, :tokens, 1] = (torch.arange(tokens, device=device) // side_tokens).float()
+        ids[0, :tokens, 2] = (torch.arange(tokens, device=device) % side_tokens).float()
+        rope = hidream_model.EmbedND(theta=10000, axes_dim=[64, 32, 32])(ids)
+        g = torch.Generator(device=device).manual_seed(1)
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).to(dtype)
+        inputs = dict(image_tokens=randn(1, tokens, width), image_tokens_masks=None,
+                      text_tokens=randn(1, text_tokens, width), adaln_input=randn(1, width), rope=rope,
+                      transformer_options={})
+        return block.eval(), inputs, "image_tokens", hidream_attention_only
+    return build
+
+
 HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
 CASES = {case.name: case for case in (
     Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
          flux_case("double", 16384, 512)),
     Case("flux-single-2048", "Flux-dev single block, 2048^2 (16,896 tokens)", flux_case("single", 16384, 512)),
+    Case("flux-double-1024", "Flux-dev double block, 1024^2 (4,096 image + 512 text tokens, under the split floor)",
+         flux_case("double", 4096, 512)),
+    Case("flux-single-1024", "Flux-dev single block, 1024^2 (4,608 tokens, under the split floor)",
+         flux_case("single", 4096, 512)),
     Case("qwen-image-1328", "Qwen-Image block, 1328^2 (6,889 image + 256 text tokens)", qwen_image_case(83, 256)),
     Case("qwen-image-1328-cfg", "Qwen-Image block, 1328^2, cond + uncond in one call (2 x 7,145 tokens)",
          qwen_image_case(83, 256, batch=2)),
+    Case("hidream-double-1024", "HiDream-I1 double block, 1024^2 (4,096 image + 384 text tokens; attention patched, "
+         "its MoE feed-forward ComfyUI's)", hidream_case(64)),
+    Case("hidream-double-2048", "HiDream-I1 double block, 2048^2 (16,384 image + 384 text tokens; attention patched, "
+         "its MoE feed-forward ComfyUI's)", hidream_case(128)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",

@@ -14,6 +14,17 @@ from .comfy_ops import CastLinear, chunk_tokens, even_chunk_tokens, not_row_slic
 # One chunk's hidden activation holds at most |x| / FFN_CHUNK_FRACTION elements: under the attention's own
 # peak at High, and the chunks stay large enough for the products to run near full speed (measured on Wan).
 FFN_CHUNK_FRACTION = 2
+# Where the attention is not split (a sequence under the split floor) it holds q, k and v of every head at once
+# (3 x |x| and more): the block's chunks may then be this many times larger and stay under that peak (the FFN's
+# hidden activation up to 2 x |x|), for a quarter of the launches. Short sequences are where launches, not
+# the GPU, bound the time (Qwen-Image at 1328^2, one item: 24 chunks -> 6).
+UNSPLIT_CHUNK_SCALE = 4
+
+
+def chunk_scale(split: bool) -> int:
+    """The factor on the block's default chunk budgets: 1 when its attention is split into head groups,
+    `UNSPLIT_CHUNK_SCALE` when it is not (`dispatch.attention_splits`)."""
+    return 1 if split else UNSPLIT_CHUNK_SCALE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,15 +114,16 @@ class ChunkedMLP:
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],
                   add_: Callable[[torch.Tensor, torch.Tensor, int, int], None],
                   fraction: int = FFN_CHUNK_FRACTION, gated: Optional[GatedMLP] = None,
-                  like: Optional[torch.Tensor] = None) -> None:
+                  like: Optional[torch.Tensor] = None, scale: int = 1) -> None:
     """`residual` (B, N, C) += its feed-forward, by token chunks, in place: for each chunk [a, b),
     `add_(residual[:, a:b], mlp(mlp_input(a, b)), a, b)` (the family's gate and sum). `mlp_input(a, b)` makes
     the chunk's input (e.g. norm + modulation of `residual[:, a:b]`); it is freed once the MLP has read it.
     `gated`: the MLP's layout when it is a gated one (see `ChunkedMLP`). `like`: a tensor of the dtype the MLP
-    computes in, where it is not the residual's (Cosmos keeps a float32 residual around 16-bit layers)."""
+    computes in, where it is not the residual's (Cosmos keeps a float32 residual around 16-bit layers). `scale`:
+    chunks that many times larger (`chunk_scale`)."""
     batch, tokens, _ = residual.shape
     chunked = ChunkedMLP(mlp, residual if like is None else like, gated)
-    step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() // fraction))
+    step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() * scale // fraction))
     try:
         for a, b in token_ranges(tokens, step):
             out = chunked(mlp_input(a, b))
@@ -122,13 +134,14 @@ def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], t
 
 
 def projection_residual_(residual: torch.Tensor, linear, attention: torch.Tensor,
-                         add_: Callable[[torch.Tensor, torch.Tensor, int, int], None], fraction: int = 8) -> None:
+                         add_: Callable[[torch.Tensor, torch.Tensor, int, int], None], fraction: int = 8,
+                         scale: int = 1) -> None:
     """`residual` (B, N, C) += the output projection `linear` of `attention` (B, N, C') by token chunks: for
     each chunk, `add_(residual[:, a:b], linear(attention[:, a:b]), a, b)`. The weight is cast once; each
-    chunk's product is the only transient."""
+    chunk's product is the only transient. `scale`: chunks that many times larger (`chunk_scale`)."""
     batch, tokens, width = residual.shape
     cast = CastLinear(linear, attention)
-    step = even_chunk_tokens(tokens, batch * width, max(1, residual.numel() // fraction))
+    step = even_chunk_tokens(tokens, batch * width, max(1, residual.numel() * scale // fraction))
     try:
         for a, b in token_ranges(tokens, step):
             out = cast(attention[:, a:b])
@@ -138,18 +151,19 @@ def projection_residual_(residual: torch.Tensor, linear, attention: torch.Tensor
         cast.release()
 
 
-def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None) -> torch.Tensor:
+def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinear] = None,
+                       scale: int = 1) -> torch.Tensor:
     """`linear(attention)` by token chunks, `attention` `(B, N, heads, head_dim)` or `(B, N, C)`: `(B, N, C')`.
     Into the attention's own storage when C' == C (each output token depends only on the same input token,
     so writing back in place is exact), else into a new tensor. `cast`: the weight already cast (kept), else
-    cast here once."""
+    cast here once. `scale`: chunks that many times larger (`chunk_scale`)."""
     flat = attention.flatten(2)
     own = cast is None
     cast = CastLinear(linear, flat) if own else cast
     features = getattr(linear, "out_features", None) or linear.weight.shape[0]
     out = flat if features == flat.shape[-1] else flat.new_empty(*flat.shape[:2], features)
     try:
-        step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() // 8))
+        step = chunk_tokens(flat.shape[1], flat[:, :1].numel(), max(1, flat.numel() * scale // 8))
         for a, b in token_ranges(flat.shape[1], step):
             out[:, a:b] = cast(flat[:, a:b])
     finally:
@@ -171,4 +185,4 @@ def foreign_part(block) -> Optional[str]:
 
 
 __all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "output_projection_", "foreign_part",
-           "FFN_CHUNK_FRACTION"]
+           "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE", "chunk_scale"]

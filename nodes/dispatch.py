@@ -12,7 +12,7 @@ import torch
 
 import comfy.ldm.modules.attention as comfy_attention
 
-from ..qkv_core import backend_names, head_split, pay_attention
+from ..qkv_core import backend_names, head_split, pay_attention, split_plan
 from ..qkv_core.notices import notice_once
 
 AUTO, COMFY = "auto", "comfy"
@@ -116,6 +116,13 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
         return attention_fn([q, k, v], group)
     force = "sdpa" if full_precision else kwargs.get("force_attention")
     return pay_attention(q, k, v, force_attention=force)
+
+
+def attention_splits(config, kv_heads: int, batch: int, tokens: int) -> bool:
+    """Will a self-attention of `tokens` tokens per batch item (all streams joined) be split into head groups
+    (`qkv_core.split_plan`, as the runtime decides it for the call; a projection that cannot be computed by rows
+    may still keep it whole)?"""
+    return split_plan(kv_heads, batch * tokens, config.level, split_floor(config)).groups > 1
 
 
 def split_floor(config) -> int:

@@ -24,8 +24,9 @@ import comfy.ldm.flux.layers as flux_layers
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
-from .block_parts import foreign_part, mlp_residual_, projection_residual_
+from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .dispatch import attention_splits
 from .family import MemoryFactors, patch_module
 
 FAMILY = "Flux"
@@ -134,11 +135,12 @@ def _modulate(t: torch.Tensor, mult, add, dims, a: int, b: int) -> torch.Tensor:
     return flux_layers.apply_mod(t, mult, add, _chunk_dims(dims, a, b))
 
 
-def modulated_input(norm, x: torch.Tensor, mod, dims) -> torch.Tensor:
+def modulated_input(norm, x: torch.Tensor, mod, dims, scale: int = 1) -> torch.Tensor:
     """`apply_mod(norm(x), 1 + mod.scale, mod.shift, dims)` in a fresh tensor, made by token chunks (the
-    norm's and the modulation's transients are a chunk each)."""
+    norm's and the modulation's transients are a chunk each; `scale`: chunks that many times larger,
+    `block_parts.chunk_scale`)."""
     out = torch.empty_like(x)
-    step = chunk_tokens(x.shape[1], x[:, :1].numel(), max(1, x.numel() // 8))
+    step = chunk_tokens(x.shape[1], x[:, :1].numel(), max(1, x.numel() * scale // 8))
     scale = 1 + mod.scale
     for a, b in token_ranges(x.shape[1], step):
         out[:, a:b] = _modulate(norm(x[:, a:b]), scale, mod.shift, dims, a, b)
@@ -146,8 +148,13 @@ def modulated_input(norm, x: torch.Tensor, mod, dims) -> torch.Tensor:
 
 
 def _gated_add(gate, dims):
+    """`add_(part, out, a, b)`: `part += apply_mod(out, gate, None, dims)` for the chunk [a, b): one `addcmul_`
+    where every token takes the one gate (the same sum, one launch instead of two)."""
     def add_(part, out, a, b):
-        part += _modulate(out, gate, None, dims, a, b)
+        if dims is None:
+            part.addcmul_(out, gate)
+        else:
+            part += _modulate(out, gate, None, dims, a, b)
     return add_
 
 
@@ -171,8 +178,9 @@ def run_double_block(block, config, img, txt, vec, pe, attn_mask=None, modulatio
         (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
     heads, head_dim = _heads(block)
     form = _double_form(block)
-    streams = [[modulated_input(block.txt_norm1, txt, txt_mod1, modulation_dims_txt)],
-               [modulated_input(block.img_norm1, img, img_mod1, modulation_dims_img)]]
+    scale = chunk_scale(attention_splits(config, heads, img.shape[0], img.shape[1] + txt.shape[1]))
+    streams = [[modulated_input(block.txt_norm1, txt, txt_mod1, modulation_dims_txt, scale)],
+               [modulated_input(block.img_norm1, img, img_mod1, modulation_dims_img, scale)]]
     if form is DOUBLE_FLIPPED:
         streams.reverse()
     attention = attend(block, form, streams, heads, head_dim, config, transformer_options,
@@ -182,14 +190,17 @@ def run_double_block(block, config, img, txt, vec, pe, attn_mask=None, modulatio
     else:
         txt_attention, img_attention = attention[:, :txt.shape[1]], attention[:, txt.shape[1]:]
     if config.block:
-        projection_residual_(img, block.img_attn.proj, img_attention, _gated_add(img_mod1.gate, modulation_dims_img))
-        projection_residual_(txt, block.txt_attn.proj, txt_attention, _gated_add(txt_mod1.gate, modulation_dims_txt))
+        projection_residual_(img, block.img_attn.proj, img_attention, _gated_add(img_mod1.gate, modulation_dims_img),
+                             scale=scale)
+        projection_residual_(txt, block.txt_attn.proj, txt_attention, _gated_add(txt_mod1.gate, modulation_dims_txt),
+                             scale=scale)
         del attention, txt_attention, img_attention
         for x, norm, mlp, mod, dims in ((img, block.img_norm2, block.img_mlp, img_mod2, modulation_dims_img),
                                         (txt, block.txt_norm2, block.txt_mlp, txt_mod2, modulation_dims_txt)):
-            scale = 1 + mod.scale
-            mlp_residual_(x, mlp, lambda a, b, x=x, norm=norm, scale=scale, mod=mod, dims=dims:
-                          _modulate(norm(x[:, a:b]), scale, mod.shift, dims, a, b), _gated_add(mod.gate, dims))
+            factor = 1 + mod.scale
+            mlp_residual_(x, mlp, lambda a, b, x=x, norm=norm, factor=factor, mod=mod, dims=dims:
+                          _modulate(norm(x[:, a:b]), factor, mod.shift, dims, a, b), _gated_add(mod.gate, dims),
+                          scale=scale)
     else:   # the rest as ComfyUI's block computes it
         apply_mod = flux_layers.apply_mod
         img += apply_mod(block.img_attn.proj(img_attention), img_mod1.gate, None, modulation_dims_img)
@@ -219,7 +230,8 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     heads, head_dim = _heads(block)
     width = block.hidden_size
     mlp_rows = (3 * width, 3 * width + _mlp_first(block))
-    modulated = modulated_input(block.pre_norm, x, mod, modulation_dims)
+    chunks = chunk_scale(attention_splits(config, heads, x.shape[0], x.shape[1]))
+    modulated = modulated_input(block.pre_norm, x, mod, modulation_dims, chunks)
     linear1 = ComfyLinearRows(block.linear1)
     if not config.block:   # the MLP half as ComfyUI computes it: whole, from the kept modulated input
         prepared = linear1.prepare(modulated)
@@ -240,7 +252,7 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     # by token chunks: the MLP half of linear1 from the chunk's own modulated input, then linear2 over
     # [attention, mlp] of the chunk, added into x
     batch, tokens, _ = x.shape
-    step = chunk_tokens(tokens, batch * (width + _mlp_first(block)), max(1, x.numel() // 2))
+    step = chunk_tokens(tokens, batch * (width + _mlp_first(block)), max(1, x.numel() * chunks // 2))
     scale = 1 + mod.scale
     linear1.hold(x)
     linear2 = CastLinear(block.linear2, x)

@@ -8,12 +8,12 @@ import torch
 import comfy.patcher_extension
 
 from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices, split_plan
-from . import compat, cosmos, flux, kandinsky5, kernel_patch, ltx, lumina, qwen_image, sd3, wan
+from . import compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lumina, qwen_image, sd3, wan
 from .dispatch import QKVConfig, backend_choices, split_floor
 from .family import check_adapter
 from .report import PatchReport, logger
 
-ADAPTERS = (wan, flux, lumina, qwen_image, kandinsky5, ltx, sd3, cosmos)
+ADAPTERS = (wan, flux, lumina, qwen_image, kandinsky5, ltx, sd3, cosmos, hidream)
 LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
 WRAPPER_KEY = "comfyui_qkv"
 

@@ -27,11 +27,13 @@ import comfy.ldm.qwen_image.model as qwen_model
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
-from .block_parts import foreign_part, mlp_residual_, projection_residual_
+from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .dispatch import attention_splits
 from .family import MemoryFactors, patch_module
 
 FAMILY = "Qwen-Image"
+STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched modules need
 # less, so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
@@ -169,13 +171,34 @@ def modulated_chunk(block, normed: torch.Tensor, mod: torch.Tensor, zero_from: O
     return block._modulate(normed, mod, _cut(zero_from, a, b))[0]
 
 
-def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int]) -> torch.Tensor:
+class ChunkModulation:
+    """`modulate(normed, a, b)`: the block's `_modulate` of the chunk [a, b) of a stream's normed tokens by `mod`
+    (see `modulated_chunk`). Where the block's `_modulate` is ComfyUI's own and every token takes one
+    modulation, its split and `1 + scale` are made once for all chunks and each chunk is its one `addcmul`
+    (the same operation on the same operands: the same numbers, two launches fewer a chunk)."""
+
+    def __init__(self, block, mod: torch.Tensor, zero_from: Optional[int]):
+        self.block, self.mod, self.zero_from = block, mod, zero_from
+        self.shift = self.scale = None
+        if zero_from is None and getattr(type(block), "_modulate", None) is STOCK_MODULATE:
+            shift, scale, _ = torch.chunk(mod, 3, dim=-1)
+            self.shift, self.scale = shift.unsqueeze(1), 1 + scale.unsqueeze(1)
+
+    def __call__(self, normed: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        if self.shift is not None:
+            return torch.addcmul(self.shift, normed, self.scale)
+        return modulated_chunk(self.block, normed, self.mod, self.zero_from, a, b)
+
+
+def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int],
+                    scale: int = 1) -> torch.Tensor:
     """`_modulate(norm(x), mod)` in a fresh tensor like `x`, made by token chunks (the norm's and the
-    modulation's transients are a chunk each)."""
+    modulation's transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`)."""
     out = torch.empty_like(x)
     tokens = x.shape[1]
-    for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() // 8))):
-        out.narrow(1, a, b - a).copy_(modulated_chunk(block, norm(x.narrow(1, a, b - a)), mod, zero_from, a, b))
+    modulate = ChunkModulation(block, mod, zero_from)
+    for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() * scale // 8))):
+        out.narrow(1, a, b - a).copy_(modulate(norm(x.narrow(1, a, b - a)), a, b))
     return out
 
 
@@ -226,21 +249,25 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     txt_mod1, txt_mod2 = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0]).chunk(2, dim=-1)
     text_tokens = txt.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
-    handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None)],
-                  [modulated_input(block, block.img_norm1, img, img_mod1, zero_from)]]
+    scale = chunk_scale(attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1]))
+    handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale)],
+                  [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected
     attention = attend(attn, FORM, handed_off, attn.heads, attn.dim_head, config, transformer_options,
                        freqs=runtime_freqs(image_rotary_emb, text_tokens + img.shape[1]), mask=mask).flatten(2)
     del mask
     img_out, txt_out = img.clone(), txt.clone()   # the outputs: the updates are added into them in place
-    projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:], gated_add(img_mod1, zero_from))
-    projection_residual_(txt_out, attn.to_add_out, attention[:, :text_tokens], gated_add(txt_mod1, None))
+    projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:], gated_add(img_mod1, zero_from),
+                         scale=scale)
+    projection_residual_(txt_out, attn.to_add_out, attention[:, :text_tokens], gated_add(txt_mod1, None),
+                         scale=scale)
     del attention
     for out, norm, mlp, mod, zero in ((img_out, block.img_norm2, block.img_mlp, img_mod2, zero_from),
                                       (txt_out, block.txt_norm2, block.txt_mlp, txt_mod2, None)):
+        modulate = ChunkModulation(block, mod, zero)
         mlp_residual_(out, feed_forward_layers(mlp),
-                      lambda a, b, out=out, norm=norm, mod=mod, zero=zero:
-                      modulated_chunk(block, norm(out[:, a:b]), mod, zero, a, b), gated_add(mod, zero))
+                      lambda a, b, out=out, norm=norm, modulate=modulate: modulate(norm(out[:, a:b]), a, b),
+                      gated_add(mod, zero), scale=scale)
     return txt_out, img_out
 
 

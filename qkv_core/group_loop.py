@@ -14,11 +14,12 @@ statistics pass are popped from `kept_keys` by their group. Projections are rele
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
 
-from .backends import AttentionBackend, StagedCore, pay_attention
+from .backends import AttentionBackend, SDPABackend, StagedCore, held_sdpa_order, pay_attention
 from .head_split import HeadGroup
 from .options import AttentionOptions
 from .prefix import KVPrefix
@@ -62,6 +63,15 @@ class GroupLoop:
         its shape or dtype differ). `q_in_out`: every group's q is already in its heads of `out`."""
         single = len(groups) == 1 and staged is None
         q_normed = q_in_out and staged is None and self.normalize_all_queries(out)
+        s = self.streams
+        with contextlib.ExitStack() as held:
+            if staged is None and self.o.attention_fn is None and len(groups) > 1 and \
+                    isinstance(self.backend, SDPABackend):
+                held.enter_context(held_sdpa_order(s.device, s.batch * s.q_tokens * len(groups[0].q) * s.head_dim))
+            return self._run_groups(groups, out, staged, q_in_out, q_normed, single)
+
+    def _run_groups(self, groups: list[HeadGroup], out: Optional[torch.Tensor], staged: Optional[StagedCore],
+                    q_in_out: bool, q_normed: bool, single: bool) -> torch.Tensor:
         for index, group in enumerate(groups):
             last = index == len(groups) - 1
             if staged is not None:

@@ -53,8 +53,8 @@ def mean_squares(streams: CallStreams, groups: list[HeadGroup], norm_stats: Opti
         sources = streams.q_streams if which == "q" else streams.kv_streams
         tokens = streams.q_tokens if which == "q" else streams.kv_tokens
         heads = len(head_range)
-        joined = join_streams(lambda s: s.rows(which, head_range.start * d, head_range.stop * d, release=False),
-                              sources, tokens, heads, d)
+        joined = join_streams(sources, lambda s: which, head_range.start * d, head_range.stop * d,
+                              lambda s: False, tokens, heads, d)
         return joined.flatten(-2)
 
     if norm_stats is not None:

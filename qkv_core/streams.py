@@ -32,7 +32,7 @@ class TokenStream:
         self.proj = {name: as_row_projection(p) for name, p in self.raw.items()
                      if not (name == "v" and self.shared_kv)}
         self.prepared: dict[str, PreparedProjection] = {}
-        self.tokens = x.shape[1]
+        self.batch, self.tokens, self.dtype, self.device = x.shape[0], x.shape[1], x.dtype, x.device
 
     def prepare(self) -> None:
         """Prepare every projection once for this call; unsliceable ones run whole once and are sliced. The
@@ -79,21 +79,30 @@ class TokenStream:
         self.x = None
 
 
-def join_streams(project: Callable[[TokenStream], torch.Tensor], streams, total_tokens: int, heads: int,
+def join_streams(streams, name: Callable[["TokenStream"], str], start: int, stop: int,
+                 release: Callable[["TokenStream"], bool], total_tokens: int, heads: int,
                  head_dim: int) -> torch.Tensor:
-    """`project(stream)` `(B, tokens of the stream, heads * head_dim)` of several streams, joined along tokens in
-    their order: `(B, total_tokens, heads, head_dim)`. A single stream is returned as projected (a view, no copy).
-    Each part is freed once copied. (A prefix is joined later, after the norms: `prefix_join.join_prefix`.)"""
+    """Output features `[start, stop)` (`heads * head_dim` of them) of projection `name(stream)` of each stream,
+    joined along tokens in their order: `(B, total_tokens, heads, head_dim)`, a new tensor; `release(stream)`:
+    that stream's projection is released afterwards. A single stream is returned as projected (no copy); several
+    are projected straight into their tokens of the joined tensor where the projection can (`by_tokens`: no
+    temporary of a stream's size, no copy), else projected and copied in. (A prefix is joined later, after the
+    norms: `prefix_join.join_prefix`.)"""
     if len(streams) == 1:
-        return project(streams[0]).unflatten(-1, (heads, head_dim))
+        stream = streams[0]
+        return stream.rows(name(stream), start, stop, release(stream)).unflatten(-1, (heads, head_dim))
     joined, a = None, 0
     for stream in streams:
-        part = project(stream).unflatten(-1, (heads, head_dim))
+        which = name(stream)
         if joined is None:
-            joined = torch.empty((part.shape[0], total_tokens, heads, head_dim), dtype=part.dtype,
-                                 device=part.device)
-        joined.narrow(1, a, part.shape[1]).copy_(part)   # narrow + copy_: what the slice assignment does,
-        a += part.shape[1]                               # without its Python indexing
+            joined = torch.empty((stream.batch, total_tokens, heads, head_dim), dtype=stream.dtype,
+                                 device=stream.device)
+        part = joined.narrow(1, a, stream.tokens).flatten(2)   # (B, tokens of the stream, heads * head_dim)
+        if stream.by_tokens(which):
+            stream.rows_into(which, part, start, stop, release=release(stream))
+        else:
+            part.copy_(stream.rows(which, start, stop, release(stream)))
+        a += stream.tokens
         del part
     return joined
 
@@ -135,8 +144,8 @@ class CallStreams:
         the query streams that have that projection."""
         d = self.head_dim
         streams = [s for s in self.q_streams if which in s.proj]
-        return join_streams(lambda s: s.rows(which, head_range.start * d, head_range.stop * d, release=last),
-                            streams, sum(s.tokens for s in streams), len(head_range), d)
+        return join_streams(streams, lambda s: which, head_range.start * d, head_range.stop * d, lambda s: last,
+                            sum(s.tokens for s in streams), len(head_range), d)
 
     def project_q_into(self, out: torch.Tensor, groups: list[HeadGroup],
                        on_projected: Optional[Callable[[torch.Tensor], None]] = None) -> None:
@@ -167,8 +176,8 @@ class CallStreams:
         this group is projected after k (a stream whose k and v share one module keeps it until then)."""
         d = self.head_dim
         a, b = group.kv.start * d, group.kv.stop * d
-        return join_streams(lambda s: s.rows("k", a, b, release=last and not (s.shared_kv and v_later)),
-                            self.kv_streams, self.kv_tokens, len(group.kv), d)
+        return join_streams(self.kv_streams, lambda s: "k", a, b, lambda s: last and not (s.shared_kv and v_later),
+                            self.kv_tokens, len(group.kv), d)
 
     def project_v(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor],
                                                                             torch.Tensor]:
@@ -180,10 +189,9 @@ class CallStreams:
         d, hk = self.head_dim, len(group.kv)
         a, b = group.kv.start * d, group.kv.stop * d
         if self.shared_kv:
-            k = join_streams(lambda s: s.rows("k", a, b, release=last), self.kv_streams, self.kv_tokens, hk, d)
+            k = join_streams(self.kv_streams, lambda s: "k", a, b, lambda s: last, self.kv_tokens, hk, d)
             return k, k.clone()
         # a stream whose k and v share one module (beside others that do not) projects it twice here
-        v = join_streams(lambda s: s.rows("k" if s.shared_kv else "v", a, b,
-                                          release=last and not (s.shared_kv and k_later)),
-                         self.kv_streams, self.kv_tokens, hk, d)
+        v = join_streams(self.kv_streams, lambda s: "k" if s.shared_kv else "v", a, b,
+                         lambda s: last and not (s.shared_kv and k_later), self.kv_tokens, hk, d)
         return None, v

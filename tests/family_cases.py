@@ -22,6 +22,7 @@ class Case(NamedTuple):
     conds: Callable[[], tuple]          # (positive, negative) for comfy.sample.sample
     kv_heads: int
     heads: Optional[int] = None         # query heads, where more than kv_heads (grouped-query attention)
+    blocks_kept: bool = False           # the family's blocks keep ComfyUI's forward (reported), its attention patched
 
 
 def _patcher(model):
@@ -233,8 +234,41 @@ def cosmos_predict2() -> Case:
                 torch.zeros(1, 16, 1, 136, 136), conds, 4)
 
 
+HIDREAM = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
+           "num_single_layers": 1, "attention_head_dim": 32, "num_attention_heads": 4, "caption_channels": [32, 32],
+           "text_emb_dim": 32, "num_routed_experts": 2, "num_activated_experts": 1, "axes_dims_rope": [16, 8, 8],
+           "max_resolution": [128, 128], "llama_layers": [0, 1]}
+
+
+def hidream() -> Case:
+    """HiDream-I1 (RMSNorms over all heads, [image, text] joint double blocks, single blocks over image + text,
+    a routed-MoE feed-forward that stays ComfyUI's; 2 x (4,096 + 28) tokens)."""
+    import torch
+    patcher = _patcher(_model("HiDream", HIDREAM))
+
+    def text(g, batch):
+        return dict(y=torch.randn(batch, 32, generator=g), context=torch.randn(batch, 12, 32, generator=g),
+                    encoder_hidden_states_llama3=torch.randn(batch, 2, 8, 32, generator=g))
+
+    def inputs():
+        g = torch.Generator().manual_seed(1)
+        return dict(x=torch.randn(2, 16, 128, 128, generator=g), t=torch.tensor([0.5, 0.5]), **text(g, 2))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        out = []
+        for _ in range(2):
+            extra = text(g, 1)
+            out.append([[extra["context"], {"pooled_output": extra["y"],
+                                            "conditioning_llama3": extra["encoder_hidden_states_llama3"]}]])
+        return tuple(out)
+    return Case(patcher, inputs, "diffusion_model.double_stream_blocks.0.block.attn1.to_k.weight",
+                torch.zeros(1, 16, 128, 128), conds, 4, blocks_kept=True)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
-         "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2}
+         "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
+         "hidream": hidream}
 
 
 def case(name: str) -> Optional[Case]:
