@@ -31,6 +31,11 @@ class PreparedProjection:
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
         out.copy_(self.rows(start, stop)[:, token_start:token_start + out.shape[1]])
 
+    def writes_into(self, batch: int) -> bool:
+        """Is `rows_into` for a whole `(batch, tokens, ...)` output one launch, no more than `rows` and a copy
+        (so a caller with a buffer should use it)?"""
+        return False
+
     def full(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -81,6 +86,9 @@ class WeightRows(PreparedProjection):
             else:
                 torch.addmm(bias, x[item], weight_t, out=out[item])
 
+    def writes_into(self, batch: int) -> bool:
+        return batch == 1   # one product per batch item: more launches than one product and a copy beyond one
+
     def full(self) -> torch.Tensor:
         return F.linear(self.x, self.weight, self.bias)
 
@@ -118,6 +126,9 @@ class RowsOnDemand(PreparedProjection):
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
         self._ready(start, stop).rows_into(out, 0, stop - start, token_start)
+
+    def writes_into(self, batch: int) -> bool:
+        return batch == 1
 
     def full(self) -> torch.Tensor:
         return self._ready(0, self.out_features).full()
@@ -159,6 +170,9 @@ class WholeThenSlice(PreparedProjection):
         whole = self._computed()
         whole = whole if whole.dim() == 3 else whole.unsqueeze(0)
         out.copy_(whole[:, token_start:token_start + out.shape[1], start:stop])
+
+    def writes_into(self, batch: int) -> bool:
+        return True   # a copy of a slice
 
     def full(self) -> torch.Tensor:
         if self._whole is not None:
@@ -210,6 +224,9 @@ class _OffsetRows(PreparedProjection):
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
         self.inner.rows_into(out, self.offset + start, self.offset + stop, token_start)
+
+    def writes_into(self, batch: int) -> bool:
+        return self.inner.writes_into(batch)
 
     def full(self) -> torch.Tensor:
         return self.inner.rows(self.offset, self.offset + self.width)

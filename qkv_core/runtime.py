@@ -125,7 +125,7 @@ class _Call:
         staged = self.staged_core()
         try:
             validate_native_prefix_core(o.kv_prefix, staged)
-            s.prepare()
+            s.prepare(len(groups))
             loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys)
             # one group, not staged: the attention's own result is returned (no buffer beside it, no copy)
             single = len(groups) == 1 and staged is None
