@@ -44,6 +44,15 @@ class GatedMLP:
         return layers if all(getattr(layer, "weight", None) is not None for layer in layers) else None
 
 
+def silu_gate_(gate_out: torch.Tensor, up_out: torch.Tensor) -> torch.Tensor:
+    """`silu(w1(x)) * w3(x)`, into the gate's chunk (its own)."""
+    return torch.nn.functional.silu(gate_out, inplace=True).mul_(up_out)
+
+
+# LLaMA-style SwiGLU, `w2(silu(w1(x)) * w3(x))` (SD3.5's feed-forward)
+SWIGLU = GatedMLP(gate="w1", up="w3", down="w2", combine_=silu_gate_)
+
+
 def _hidden_width(mlp) -> int:
     """Features of one token's hidden activation: the first layer's outputs of a Sequential; of any other MLP
     module (e.g. Flux 2's YakMLP) the widest output of its layers, so that its chunks are bounded too."""
@@ -185,4 +194,4 @@ def foreign_part(block) -> Optional[str]:
 
 
 __all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "output_projection_", "foreign_part",
-           "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE", "chunk_scale"]
+           "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE", "chunk_scale", "SWIGLU", "silu_gate_"]

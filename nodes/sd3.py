@@ -29,7 +29,7 @@ import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
-from .block_parts import GatedMLP, foreign_part, mlp_residual_, projection_residual_
+from .block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
 from .family import MemoryFactors, patch_module
 
@@ -40,14 +40,6 @@ MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: C
 
 # One stream of a `SelfAttention`: fused [q, k, v] and its per-head norms (names inside the SelfAttention).
 STREAM = StreamProjections(fused="qkv", norm_q="ln_q", norm_k="ln_k")
-
-
-def _silu_gate_(gate_out: torch.Tensor, up_out: torch.Tensor) -> torch.Tensor:
-    """`silu(w1(x)) * w3(x)`, into the gate's chunk (its own)."""
-    return torch.nn.functional.silu(gate_out, inplace=True).mul_(up_out)
-
-
-SWIGLU = GatedMLP(gate="w1", up="w3", down="w2", combine_=_silu_gate_)
 
 
 def _norm_kind(attentions) -> Optional[str]:

@@ -67,8 +67,8 @@ def test_every_attention_equals_stock_at_every_level(env, split_everything):
             assert patched_counts(report) == {"attention": 2}
             kept = [line for line in report.lines() if "runs as before" in line]
             assert kept == (["HiDream: blocks (block) runs as before: the blocks keep ComfyUI's forward: their "
-                             "feed-forward is a routed mixture of experts (the attention is patched)"]
-                            if bounds else [])
+                             "feed-forward routes tokens to experts, which round-off would flip (the attention is "
+                             "patched)"] if bounds else [])
             env.core.reset_notices()
             with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
                 out = forward(base, inputs, applied=patched)
