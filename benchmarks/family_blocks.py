@@ -110,21 +110,6 @@ def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24, ba
     return build
 
 
-def hidream_attention_only(block, config):
-    """HiDream's block as the pack runs it: ComfyUI's block (its MoE feed-forward stays ComfyUI's) around the
-    pack's attention, installed for the call only (the same block object serves as stock)."""
-    attn = block.attn1
-    forward = hidream.attention_forward(attn, config)
-
-    def call(**inputs):
-        attn.forward = forward
-        try:
-            return block(**inputs)
-        finally:
-            del attn.forward
-    return call
-
-
 def hidream_case(side_tokens: int, text_tokens: int = 384, width=2560, heads=20):
     """HiDream-I1's double block (width 2560, 20 heads of 128, 4 routed experts of which 2 per token, one shared
     expert): `side_tokens`^2 image tokens and the text stream (T5 + two Llama layers' tokens)."""
@@ -152,7 +137,7 @@ def hidream_case(side_tokens: int, text_tokens: int = 384, width=2560, heads=20)
         inputs = dict(image_tokens=randn(1, tokens, width), image_tokens_masks=None,
                       text_tokens=randn(1, text_tokens, width), adaln_input=randn(1, width), rope=rope,
                       transformer_options={})
-        return block.eval(), inputs, "image_tokens", hidream_attention_only
+        return block.eval(), inputs, "image_tokens", hidream.block_forward
     return build
 
 
@@ -168,10 +153,8 @@ CASES = {case.name: case for case in (
     Case("qwen-image-1328", "Qwen-Image block, 1328^2 (6,889 image + 256 text tokens)", qwen_image_case(83, 256)),
     Case("qwen-image-1328-cfg", "Qwen-Image block, 1328^2, cond + uncond in one call (2 x 7,145 tokens)",
          qwen_image_case(83, 256, batch=2)),
-    Case("hidream-double-1024", "HiDream-I1 double block, 1024^2 (4,096 image + 384 text tokens; attention patched, "
-         "its MoE feed-forward ComfyUI's)", hidream_case(64)),
-    Case("hidream-double-2048", "HiDream-I1 double block, 2048^2 (16,384 image + 384 text tokens; attention patched, "
-         "its MoE feed-forward ComfyUI's)", hidream_case(128)),
+    Case("hidream-double-1024", "HiDream-I1 double block, 1024^2 (4,096 image + 384 text tokens)", hidream_case(64)),
+    Case("hidream-double-2048", "HiDream-I1 double block, 2048^2 (16,384 image + 384 text tokens)", hidream_case(128)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",

@@ -72,10 +72,12 @@ class ChunkedMLP:
     format runs itself) and holds two hidden activations of the chunk at most; any other MLP or weight format
     runs the module itself on each chunk (its own fused quantized matmuls, GGUF, ...). `release()` when done."""
 
-    def __init__(self, mlp, like: torch.Tensor, gated: Optional[GatedMLP] = None):
+    def __init__(self, mlp, like: torch.Tensor, gated: Optional[GatedMLP] = None,
+                 hidden_per_token: Optional[int] = None):
         self.mlp = mlp
         self.gated_layers = None
         self.up = self.down = None
+        self._hidden_per_token = hidden_per_token   # the caller's count, for a module whose layers do not tell it
         layers = gated.linears(mlp) if gated is not None else None
         if layers is not None:
             self.combine_ = gated.combine_
@@ -91,6 +93,8 @@ class ChunkedMLP:
     @property
     def hidden_per_token(self) -> int:
         """Hidden activations of one token held at once (a gated MLP holds its gate's and its up's)."""
+        if self._hidden_per_token is not None:
+            return self._hidden_per_token
         return self.hidden_width * (2 if self.gated_layers is not None else 1)
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -123,15 +127,17 @@ class ChunkedMLP:
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],
                   add_: Callable[[torch.Tensor, torch.Tensor, int, int], None],
                   fraction: int = FFN_CHUNK_FRACTION, gated: Optional[GatedMLP] = None,
-                  like: Optional[torch.Tensor] = None, scale: int = 1) -> None:
+                  like: Optional[torch.Tensor] = None, scale: int = 1,
+                  hidden_per_token: Optional[int] = None) -> None:
     """`residual` (B, N, C) += its feed-forward, by token chunks, in place: for each chunk [a, b),
     `add_(residual[:, a:b], mlp(mlp_input(a, b)), a, b)` (the family's gate and sum). `mlp_input(a, b)` makes
     the chunk's input (e.g. norm + modulation of `residual[:, a:b]`); it is freed once the MLP has read it.
     `gated`: the MLP's layout when it is a gated one (see `ChunkedMLP`). `like`: a tensor of the dtype the MLP
     computes in, where it is not the residual's (Cosmos keeps a float32 residual around 16-bit layers). `scale`:
-    chunks that many times larger (`chunk_scale`)."""
+    chunks that many times larger (`chunk_scale`). `hidden_per_token`: the elements one token's pass through
+    `mlp` holds, where its layers do not tell it (a mixture of experts)."""
     batch, tokens, _ = residual.shape
-    chunked = ChunkedMLP(mlp, residual if like is None else like, gated)
+    chunked = ChunkedMLP(mlp, residual if like is None else like, gated, hidden_per_token)
     step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() * scale // fraction))
     try:
         for a, b in token_ranges(tokens, step):

@@ -9,13 +9,15 @@ then RoPE on adjacent pairs of every head's channels from ComfyUI's tables `(B, 
 the attention (projection level: the head split through `nodes/attention.py`'s `attend()`, the output
 projections by token chunks into the attention's own storage).
 
-The blocks keep ComfyUI's forward (block bounds are reported as not applied): their feed-forward is a routed
-mixture of experts that picks two of four experts per token from the block's residual. A bounded block would
-change that residual by round-off (the output projection added in other chunks), and in 16 bits that flips the
-routing of tokens near a tie between two experts: the block's output then differs from stock's by whole expert
-outputs on those tokens (measured on an H200, 2048^2, bf16: up to 15% of the block's largest value, while the
-pack's attention equals stock's to 4.7e-3), which no self-check can tell from a broken forward. The block's peak
-stays the MoE's (15 x |x| at 2048^2); the attention's head split runs.
+With block bounds on, the double and single blocks are bounded too: each stream's modulated input is made by
+token chunks and handed off to the runtime, the output projections add into the residual by token chunks, and
+the feed-forwards run by token chunks: the text stream's SwiGLU cast once, the image stream's routed mixture of
+experts (each token sent to two of four experts, a shared expert beside them) as ComfyUI's own module on each
+chunk (routing is per token: the same math), `MOE_CHUNK_BUDGET` x |x| a chunk. The residual updates go into a new
+tensor per stream (ComfyUI's block does not write its inputs). Routing makes the block sensitive to round-off:
+in 16 bits a token near a tie between two experts may take the other one (the whole block then differs on that
+token by an expert's output, as it does between ComfyUI's own attention kernels), so the block's self-check
+leaves out the 2% of its check tokens farthest from stock (`compat.compare(routed=True)`).
 
 Left to ComfyUI (its forward runs, one log line): `image_tokens_masks` (a per-token key multiplier; ComfyUI's
 model passes none), a RoPE table that does not cover each head's channels (the partial RoPE of other
@@ -33,14 +35,13 @@ import comfy.ldm.hidream.model as hidream_model
 from . import compat
 from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend, attribute,
                         is_rms_norm)
-from .block_parts import chunk_scale, output_projection_
-from .comfy_ops import not_row_sliceable, quantizes_inputs
+from .block_parts import SWIGLU, chunk_scale, foreign_part, mlp_residual_, output_projection_, projection_residual_
+from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
 from .family import MemoryFactors, patch_module
 
 FAMILY = "HiDream"
-# Not measured on a whole model: ComfyUI's own activation estimate is kept (the blocks' MoE feed-forward is
-# ComfyUI's, so its peak stays).
+# Not measured on a whole model: ComfyUI's own activation estimate is kept.
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
 
 IMAGE = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_rms_norm", norm_k="k_rms_norm")
@@ -51,7 +52,14 @@ SINGLE = AttentionForm(streams=(IMAGE,), norm=NORM_SPANS_HEADS, rope=ROPE_PAIRS)
 HOOKS_RUN_INSIDE = ("attn1_patch",)   # ComfyUI's attention would call it on the whole joint q/k/v
 ATTENTION_ARGS = ("norm_image_tokens", "image_tokens_masks", "norm_text_tokens", "rope", "transformer_options")
 BLOCK_KINDS = (("double_stream_blocks", False), ("single_stream_blocks", True))
+BLOCK_ARGS = ("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input", "rope", "transformer_options")
+# Keys kept from the spanning norm's statistics pass: all of them with the attention patched alone (the block's
+# peak is then its MoE feed-forward's, far above the attention's), 30% in the bounded block (as Wan's and LTX's).
 ATTENTION_KEPT_KEYS = 1.0
+BLOCK_KEPT_KEYS = 0.3
+# A mixture-of-experts chunk's transient as a multiple of |x| (a token's top-k copies and their outputs, an expert's
+# hidden activations): larger chunks than a plain MLP's, as each chunk runs the whole routing (~50 launches).
+MOE_CHUNK_BUDGET = 3
 
 
 def _form(attn) -> AttentionForm:
@@ -118,6 +126,113 @@ def run_attention(attn, config, norm_image_tokens, image_tokens_masks=None, norm
             output_projection_(attn.to_out_t, flat[:, image_tokens:], scale=scale))
 
 
+# --- the bounded block ------------------------------------------------------------------------------------------
+def _is_moe(ff) -> bool:
+    return isinstance(ff, hidream_model.MOEFeedForwardSwiGLU) and isinstance(getattr(ff, "gate", None),
+                                                                             hidream_model.MoEGate)
+
+
+def probe_block(block) -> Optional[str]:
+    """None when a HiDream double or single transformer block has the structure the bounded forward uses."""
+    single = isinstance(block, hidream_model.HiDreamImageSingleTransformerBlock)
+    if not single and not isinstance(block, hidream_model.HiDreamImageTransformerBlock):
+        return f"{type(block).__name__} is not a HiDream transformer block"
+    attn = getattr(block, "attn1", None)
+    if attn is None or bool(attn.single) != single:
+        return "attn1 is not this block's kind of attention"
+    reason = probe_attention(attn)
+    if reason:
+        return f"attn1: {reason}"
+    width = attn.inner_dim
+    if attn.out_dim != width:
+        return "the attention's width is not the block's"
+    mod = getattr(block, "adaLN_modulation", None)
+    count = 6 if single else 12
+    if not isinstance(mod, torch.nn.Sequential) or len(mod) != 2 or \
+            tuple(getattr(mod[1], "weight", torch.empty(0)).shape) != (count * width, width):
+        return f"adaLN_modulation is not SiLU, Linear to {count} x width"
+    for name in ("norm1_i", "norm3_i") if single else ("norm1_i", "norm3_i", "norm1_t", "norm3_t"):
+        norm = getattr(block, name, None)
+        if not isinstance(norm, torch.nn.LayerNorm) or norm.elementwise_affine:
+            return f"{name} is not a LayerNorm without weights"
+    for name in ("ff_i",) if single else ("ff_i", "ff_t"):
+        ff = getattr(block, name, None)
+        if not _is_moe(ff) and SWIGLU.linears(ff) is None:
+            return f"{name} is neither HiDream's mixture of experts nor a SwiGLU"
+    return None
+
+
+def moe_elements_per_token(ff) -> int:
+    """The elements one token's pass through HiDream's mixture of experts may hold, counted generously: its
+    top-k copies and their outputs (2 x top-k x width), the hidden activations of an expert (w1's, w3's and their
+    product: one of the token's copies can go to any expert) and of the shared expert."""
+    width = int(ff.gate.gating_dim)
+    hidden = max(int(expert.w1.weight.shape[0]) for expert in ff.experts)
+    shared = int(ff.shared_experts.w1.weight.shape[0])
+    return 2 * int(ff.num_activated_experts) * width + 3 * (hidden + shared)
+
+
+def _modulated_input(norm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, chunks: int) -> torch.Tensor:
+    """`norm(x) * (1 + scale) + shift` in a fresh tensor, by token chunks, with the block's own operations (the
+    same roundings: the routing downstream sees the same numbers)."""
+    out = torch.empty_like(x)
+    factor = 1 + scale
+    tokens = x.shape[1]
+    for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() * chunks // 8))):
+        out[:, a:b] = norm(x[:, a:b]).to(dtype=x.dtype) * factor + shift
+    return out
+
+
+def _gated(gate):
+    def add_(part, out, a, b):
+        part += gate * out   # as the block adds it (gate * update, then the sum)
+    return add_
+
+
+def _feed_forward_(out: torch.Tensor, norm, ff, shift, scale, gate, chunks: int) -> None:
+    """`out += gate * ff(norm(out) * (1 + scale) + shift)` by token chunks, in place."""
+    factor = 1 + scale
+
+    def ffn_input(a, b):
+        return norm(out[:, a:b]).to(dtype=out.dtype) * factor + shift
+    if _is_moe(ff):   # the module itself on each chunk (its routing is per token)
+        mlp_residual_(out, ff, ffn_input, _gated(gate), fraction=1, scale=MOE_CHUNK_BUDGET * chunks,
+                      hidden_per_token=moe_elements_per_token(ff))
+    else:
+        mlp_residual_(out, ff, ffn_input, _gated(gate), gated=SWIGLU, scale=chunks)
+
+
+def run_block(block, config, image_tokens, image_tokens_masks=None, text_tokens=None, adaln_input=None, rope=None,
+              transformer_options={}):
+    """The bounded forward of a HiDream double block (returns (image, text)) or single block (returns image):
+    new tensors; the inputs are not written. (`image_tokens_masks` is refused by the guard.)"""
+    attn = block.attn1
+    single = bool(attn.single)
+    mods = block.adaLN_modulation(adaln_input)[:, None].chunk(6 if single else 12, dim=-1)
+    streams = [(image_tokens, block.norm1_i, block.norm3_i, block.ff_i, mods[:6])]
+    if not single:
+        streams.append((text_tokens, block.norm1_t, block.norm3_t, block.ff_t, mods[6:]))
+    tokens = sum(x.shape[1] for x, *_ in streams)
+    chunks = chunk_scale(attention_splits(config, attn.heads, image_tokens.shape[0], tokens))
+    handed_off = [[_modulated_input(norm1, x, m[0], m[1], chunks)] for x, norm1, _, _, m in streams]
+    attention = attend(attn, _form(attn), handed_off, attn.heads, _head_dim(attn), config, transformer_options,
+                       freqs=rope, keep_keys=BLOCK_KEPT_KEYS).flatten(2)
+    outs, start = [], 0
+    for (x, _, _, _, m), to_out in zip(streams, ("to_out", "to_out_t")):
+        out = x.clone()   # the stream's output: the updates are added into it in place
+        projection_residual_(out, getattr(attn, to_out), attention[:, start:start + x.shape[1]], _gated(m[2]),
+                             scale=chunks)
+        start += x.shape[1]
+        outs.append(out)
+    del attention, streams[:]
+    image = outs[0]
+    _feed_forward_(image, block.norm3_i, block.ff_i, mods[3], mods[4], mods[5], chunks)
+    if single:
+        return image
+    _feed_forward_(outs[1], block.norm3_t, block.ff_t, mods[9], mods[10], mods[11], chunks)
+    return image, outs[1]
+
+
 # --- guards ---------------------------------------------------------------------------------------------------
 def _stock_functions(attn) -> tuple:
     return (type(attn).forward, type(attn.processor).__call__)
@@ -179,6 +294,67 @@ def _check_inputs(attn):
     return check
 
 
+def _block_functions(block) -> tuple:
+    """ComfyUI's functions the bounded block stands in for (a mixture of experts runs its own forward)."""
+    functions = (type(block).forward,) + _stock_functions(block.attn1)
+    for name in ("ff_i", "ff_t"):
+        ff = getattr(block, name, None)
+        if ff is not None and not _is_moe(ff):
+            functions += (type(ff).forward,)
+    return functions
+
+
+def _block_signature(block, config, bound: dict) -> tuple:
+    img, rope = bound["image_tokens"], bound.get("rope")
+    options = bound.get("transformer_options") or {}
+    return ("block", _block_functions(block), compat.layers_signature(block), img.dtype, img.device.type, config,
+            compat.hooks_set(options), "optimized_attention_override" in options,
+            None if rope is None else (rope.dtype, rope.shape[0]))
+
+
+def _refuse_block(block):
+    attention = _refuse_call(block.attn1)
+
+    def refuse(bound) -> Optional[str]:
+        if not torch.is_tensor(bound.get("adaln_input")):
+            return "no adaln_input"
+        return attention({"norm_image_tokens": bound["image_tokens"], "norm_text_tokens": bound.get("text_tokens"),
+                          "image_tokens_masks": bound.get("image_tokens_masks"), "rope": bound.get("rope"),
+                          "transformer_options": bound.get("transformer_options")})
+    return refuse
+
+
+def _check_block(block):
+    check_attention = _check_inputs(block.attn1)
+
+    def check(bound: dict) -> dict:
+        """The call's first image (and text) tokens with their RoPE rows, the modulation input whole."""
+        cut = check_attention({"norm_image_tokens": bound["image_tokens"],
+                               "norm_text_tokens": bound.get("text_tokens"), "rope": bound["rope"],
+                               "transformer_options": bound.get("transformer_options")})
+        out = dict(bound)
+        out.update(image_tokens=cut["norm_image_tokens"], rope=cut["rope"],
+                   transformer_options=cut["transformer_options"])
+        if not block.attn1.single:
+            out["text_tokens"] = cut["norm_text_tokens"]
+        return out
+    return check
+
+
+def block_forward(block, config):
+    """The guarded bounded forward installed on a HiDream double or single transformer block."""
+    def ours_factory(module, config):
+        def forward(*args, **kwargs):
+            return run_block(module, config, **compat.bind_args(BLOCK_ARGS, args, kwargs))
+        return forward
+    return compat.guard_module(
+        f"{FAMILY} block", block, BLOCK_ARGS, ours_factory, config, functions=lambda: _block_functions(block),
+        signature=lambda bound: _block_signature(block, config, bound), check_inputs=_check_block(block),
+        residual="image_tokens" if block.attn1.single else ("image_tokens", "text_tokens"),
+        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block), refuse_more=foreign_part,
+        routed=True)
+
+
 def attention_forward(attn, config):
     """The guarded forward installed on a `HiDreamAttention`."""
     def ours_factory(module, config):
@@ -192,16 +368,21 @@ def attention_forward(attn, config):
 
 
 # --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _attentions(model):
-    """(path, attention) of every block, double stream blocks first."""
+def _blocks(model):
+    """(path, transformer block) of every HiDream block, double stream blocks first."""
     for name, _ in BLOCK_KINDS:
         blocks = getattr(model, name, None)
         if not isinstance(blocks, torch.nn.ModuleList):
             continue
         for index, wrapper in enumerate(blocks):
-            attn = getattr(getattr(wrapper, "block", None), "attn1", None)
-            if isinstance(attn, hidream_model.HiDreamAttention):
-                yield f"diffusion_model.{name}.{index}.block.attn1", attn
+            block = getattr(wrapper, "block", None)
+            if isinstance(getattr(block, "attn1", None), hidream_model.HiDreamAttention):
+                yield f"diffusion_model.{name}.{index}.block", block
+
+
+def _attentions(model):
+    for path, block in _blocks(model):
+        yield f"{path}.attn1", block.attn1
 
 
 def matches(diffusion_model) -> bool:
@@ -211,22 +392,21 @@ def matches(diffusion_model) -> bool:
 
 
 def patch(patcher, config, report) -> None:
-    """Object patches on `patcher` (a clone): every attention that probes clean. The blocks keep ComfyUI's
-    forward (reported when block bounds were asked for)."""
-    model = patcher.model.diffusion_model
-    for path, attn in _attentions(model):
-        patch_module(patcher, report, FAMILY, path, "attention", lambda attn=attn: attention_forward(attn, config),
-                     lambda attn=attn: probe_attention(attn))
-    if config.block:
-        report.skipped(FAMILY, "blocks (block)", "the blocks keep ComfyUI's forward: their feed-forward routes "
-                                                 "tokens to experts, which round-off would flip (the attention is "
-                                                 "patched)")
+    """Object patches on `patcher` (a clone): every attention that probes clean; with block bounds, every block
+    too (its attention patch then serves the calls the block hands to ComfyUI's own forward)."""
+    for path, block in _blocks(patcher.model.diffusion_model):
+        patch_module(patcher, report, FAMILY, f"{path}.attn1", "attention",
+                     lambda block=block: attention_forward(block.attn1, config),
+                     lambda block=block: probe_attention(block.attn1))
+        if config.block:
+            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
+                         lambda block=block: probe_block(block), parts=("attn1",))
 
 
 def stock_functions(diffusion_model) -> set:
     functions = set()
-    for _, attn in _attentions(diffusion_model):
-        functions.update(_stock_functions(attn))
+    for _, block in _blocks(diffusion_model):
+        functions.update(_block_functions(block))
     return functions
 
 

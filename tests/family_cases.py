@@ -22,7 +22,6 @@ class Case(NamedTuple):
     conds: Callable[[], tuple]          # (positive, negative) for comfy.sample.sample
     kv_heads: int
     heads: Optional[int] = None         # query heads, where more than kv_heads (grouped-query attention)
-    blocks_kept: bool = False           # the family's blocks keep ComfyUI's forward (reported), its attention patched
 
 
 def _patcher(model):
@@ -242,7 +241,7 @@ HIDREAM = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_ch
 
 def hidream() -> Case:
     """HiDream-I1 (RMSNorms over all heads, [image, text] joint double blocks, single blocks over image + text,
-    a routed-MoE feed-forward that stays ComfyUI's; 2 x (4,096 + 28) tokens)."""
+    a routed mixture-of-experts feed-forward run by token chunks; 2 x (4,096 + 28) tokens)."""
     import torch
     patcher = _patcher(_model("HiDream", HIDREAM))
 
@@ -263,7 +262,7 @@ def hidream() -> Case:
                                             "conditioning_llama3": extra["encoder_hidden_states_llama3"]}]])
         return tuple(out)
     return Case(patcher, inputs, "diffusion_model.double_stream_blocks.0.block.attn1.to_k.weight",
-                torch.zeros(1, 16, 128, 128), conds, 4, blocks_kept=True)
+                torch.zeros(1, 16, 128, 128), conds, 4)
 
 
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
