@@ -13,7 +13,8 @@ With block bounds on, the double and single blocks are bounded too: each stream'
 token chunks and handed off to the runtime, the output projections add into the residual by token chunks, and
 the feed-forwards run by token chunks: the text stream's SwiGLU cast once, the image stream's routed mixture of
 experts (each token sent to two of four experts, a shared expert beside them) as ComfyUI's own module on each
-chunk (routing is per token: the same math), `MOE_CHUNK_BUDGET` x |x| a chunk. The residual updates go into a new
+chunk (routing is per token: the same math), `MOE_CHUNK_BUDGET` x |x| a chunk (whole where the attention is
+not split). The residual updates go into a new
 tensor per stream (ComfyUI's block does not write its inputs). Routing makes the block sensitive to round-off:
 in 16 bits a token near a tie between two experts may take the other one (the whole block then differs on that
 token by an expert's output, as it does between ComfyUI's own attention kernels), so the block's self-check
@@ -58,7 +59,10 @@ BLOCK_ARGS = ("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input"
 ATTENTION_KEPT_KEYS = 1.0
 BLOCK_KEPT_KEYS = 0.3
 # A mixture-of-experts chunk's transient as a multiple of |x| (a token's top-k copies and their outputs, an expert's
-# hidden activations): larger chunks than a plain MLP's, as each chunk runs the whole routing (~50 launches).
+# hidden activations): larger chunks than a plain MLP's, as each chunk runs the whole routing (~50 launches and a
+# wait for the GPU per expert: ComfyUI's module selects each expert's tokens by a boolean mask). Where the attention
+# is not split (a sequence under the floor) the module runs whole, as ComfyUI runs it: chunks there cost 1.8x the
+# block's time (measured at 1024^2 on an H200) for memory the unsplit attention needs anyway.
 MOE_CHUNK_BUDGET = 3
 
 
@@ -195,8 +199,10 @@ def _feed_forward_(out: torch.Tensor, norm, ff, shift, scale, gate, chunks: int)
 
     def ffn_input(a, b):
         return norm(out[:, a:b]).to(dtype=out.dtype) * factor + shift
-    if _is_moe(ff):   # the module itself on each chunk (its routing is per token)
-        mlp_residual_(out, ff, ffn_input, _gated(gate), fraction=1, scale=MOE_CHUNK_BUDGET * chunks,
+    if _is_moe(ff) and chunks > 1:   # attention not split (a short sequence): the module whole, as ComfyUI runs it
+        out += gate * ff(ffn_input(0, out.shape[1]))
+    elif _is_moe(ff):   # the module itself on each chunk (its routing is per token)
+        mlp_residual_(out, ff, ffn_input, _gated(gate), fraction=1, scale=MOE_CHUNK_BUDGET,
                       hidden_per_token=moe_elements_per_token(ff))
     else:
         mlp_residual_(out, ff, ffn_input, _gated(gate), gated=SWIGLU, scale=chunks)
