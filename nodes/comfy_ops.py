@@ -255,6 +255,15 @@ class CastLinear:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if self.own_format is not None:
             return self._linear(t)
+        if t.dim() == 3 and t.shape[0] > 1 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and \
+                not t.is_contiguous():
+            # token chunks of several batch items (rows of each item contiguous, the items apart): one batched
+            # product over the strided items, the bias added as F.linear adds it to a contiguous input, where
+            # F.linear would copy the chunk, multiply and add the bias in three launches
+            weight_t = self.weight.t().expand(t.shape[0], -1, -1)
+            if self.bias is None:
+                return torch.bmm(t, weight_t)
+            return torch.baddbmm(self.bias.view(1, 1, -1), t, weight_t)
         return F.linear(t, self.weight, self.bias)
 
     def release(self) -> None:

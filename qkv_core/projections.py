@@ -75,19 +75,28 @@ class WeightRows(PreparedProjection):
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
         """The product goes straight into `out`: no temporary of the output's size. `self.x` is
-        `(batch, tokens, in)` or `(tokens, in)`."""
+        `(batch, tokens, in)` or `(tokens, in)`; `out`'s rows of each batch item are contiguous (its items may be
+        apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
+        it."""
         x = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
         x = x[:, token_start:token_start + out.shape[1]]
         weight_t = self.weight[start:stop].t()
         bias = None if self.bias is None else self.bias[start:stop]
-        for item in range(out.shape[0]):  # one 2-D product per batch item (F.linear's own addmm)
+        if out.shape[0] == 1:   # F.linear's own addmm
             if bias is None:
-                torch.mm(x[item], weight_t, out=out[item])
+                torch.mm(x[0], weight_t, out=out[0])
             else:
-                torch.addmm(bias, x[item], weight_t, out=out[item])
+                torch.addmm(bias, x[0], weight_t, out=out[0])
+            return
+        # one batched product over the items, written through out's batch stride (cuBLAS takes it as it is)
+        weight_t = weight_t.expand(out.shape[0], -1, -1)
+        if bias is None:
+            torch.bmm(x, weight_t, out=out)
+        else:
+            torch.baddbmm(bias.view(1, 1, -1), x, weight_t, out=out)
 
     def writes_into(self, batch: int) -> bool:
-        return batch == 1   # one product per batch item: more launches than one product and a copy beyond one
+        return True
 
     def full(self) -> torch.Tensor:
         return F.linear(self.x, self.weight, self.bias)
@@ -128,7 +137,7 @@ class RowsOnDemand(PreparedProjection):
         self._ready(start, stop).rows_into(out, 0, stop - start, token_start)
 
     def writes_into(self, batch: int) -> bool:
-        return batch == 1
+        return True
 
     def full(self) -> torch.Tensor:
         return self._ready(0, self.out_features).full()
