@@ -69,3 +69,32 @@ def test_norm_rope_kernel_on_cuda():
     diff = (view.float() - want.float()).abs()
     assert float(diff.max()) <= 2 ** -7 * float(want.float().abs().max())   # bf16 round-off (FMA order)
     assert float((diff > 0).float().mean()) < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_q8_and_merge_kernels_on_cuda(dtype):
+    """The Triton passes of `dequantize_q8_into` and `merge_lse_` against their PyTorch paths on the GPU."""
+    from qkv_core import kernels, q8
+    if kernels.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    values, scales = q8.quantize_q8(torch.randn(1, 3000, 8, 128, device="cuda", generator=g))
+    storage = torch.zeros(2, 3100, 8, 128, device="cuda", dtype=dtype)
+    assert kernels.dequantize_q8_(storage[:, 100:], values, scales, q8.GROUP)
+    want = (values.float().unflatten(-1, (-1, 32)) * scales.float().unsqueeze(-1)).flatten(-2).to(dtype)
+    assert torch.equal(storage[:, 100:], want.expand(2, -1, -1, -1))
+    assert float(storage[:, :100].abs().max()) == 0
+    out = torch.randn(2, 3000, 8, 128, device="cuda", generator=g).to(dtype)
+    other = torch.randn(2, 3000, 8, 128, device="cuda", generator=g).to(dtype)
+    lse = torch.randn(2, 8, 3000, device="cuda", generator=g) * 4
+    other_lse = torch.randn(2, 8, 3000, device="cuda", generator=g) * 4
+    top = torch.maximum(lse, other_lse)
+    w1, w2 = torch.exp2(lse - top), torch.exp2(other_lse - top)
+    total = w1 + w2
+    want_out = (out.float() * (w1 / total).transpose(1, 2).unsqueeze(-1)
+                + other.float() * (w2 / total).transpose(1, 2).unsqueeze(-1)).to(dtype)
+    want_lse = top + torch.log2(total)
+    assert kernels.merge_lse_(out, lse, other, other_lse)
+    tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert float((out.float() - want_out.float()).abs().max()) <= tolerance * float(want_out.float().abs().max())
+    assert float((lse - want_lse).abs().max()) <= 1e-4

@@ -117,3 +117,79 @@ def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
     if kernels.INTERPRET:
         pytest.skip("this process runs Triton's interpreter")
     assert kernels.norm_rope_launch(torch.randn(1, 8, 2, 32), freqs=torch.randn(1, 8, 1, 16, 2, 2)) is None
+
+
+Q8_AND_MERGE = textwrap.dedent('''
+import torch
+from qkv_core import kernels, q8
+assert kernels.INTERPRET and kernels.triton is not None
+g = torch.Generator().manual_seed(0)
+cases = 0
+def pytorch_path(fn, *args):
+    saved = (kernels.dequantize_q8_, kernels.merge_lse_)
+    kernels.dequantize_q8_ = lambda *a: False
+    kernels.merge_lse_ = lambda *a: False
+    try:
+        return fn(*args)
+    finally:
+        kernels.dequantize_q8_, kernels.merge_lse_ = saved
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for batch, vbatch in ((1, 1), (2, 1), (2, 2)):
+        tokens, heads, dim = 37, 3, 64
+        values, scales = q8.quantize_q8(torch.randn(vbatch, tokens, heads, dim, generator=g) * 3)
+        storage = torch.zeros(batch, tokens + 5, heads + 2, dim, dtype=dtype)
+        view = storage[:, 5:, 1:4]                      # a strided view: the prefix part of joined keys
+        want = pytorch_path(q8.dequantize_q8_into, torch.empty(batch, tokens, heads, dim, dtype=dtype), values, scales)
+        assert kernels.dequantize_q8_(view, values, scales, q8.GROUP)
+        tol = 0 if dtype == torch.float32 else 2 ** -7 * float(want.float().abs().max())
+        assert float((view.float() - want.float()).abs().max()) <= tol, (dtype, batch, vbatch)
+        assert float(storage[:, :5].abs().max()) == 0 and float(storage[:, :, 0].abs().max()) == 0
+        cases += 1
+    for batch in (1, 2):
+        tokens, heads, dim = 37, 3, 32
+        out = torch.randn(batch, tokens, heads, dim, generator=g).to(dtype)
+        other = torch.randn(batch, tokens, heads, dim, generator=g).to(dtype)
+        lse = torch.randn(batch, heads, tokens, generator=g) * 4
+        olse = torch.randn(batch, heads, tokens, generator=g) * 4
+        lse[:, 0, :3] = -float("inf")                    # queries that saw no key in one part
+        olse[:, 0, 2:5] = -float("inf")
+        want_out, want_lse = out.clone(), lse.clone()
+        pytorch_path(q8.merge_lse_, want_out, want_lse, other, olse)
+        got_out, got_lse = out.clone(), lse.clone()
+        assert kernels.merge_lse_(got_out, got_lse, other, olse)
+        tol = 1e-6 * float(want_out.float().abs().max()) if dtype == torch.float32 else \
+            2 ** -7 * float(want_out.float().abs().max())
+        assert float((got_out.float() - want_out.float()).abs().max()) <= tol, (dtype, batch)
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(finite, torch.isfinite(got_lse))
+        assert float((got_lse[finite] - want_lse[finite]).abs().max()) <= 1e-5
+        cases += 1
+# what they refuse: a non-power-of-two head dim, a non-contiguous last dim, 16-bit LSEs
+assert not kernels.dequantize_q8_(torch.empty(1, 4, 2, 96), *q8.quantize_q8(torch.randn(1, 4, 2, 96)), q8.GROUP)
+assert not kernels.merge_lse_(torch.randn(1, 4, 32, 2).transpose(2, 3), torch.zeros(1, 2, 4),
+                              torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4))
+assert not kernels.merge_lse_(torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4, dtype=torch.float16),
+                              torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4))
+print("cases", cases)
+''')
+
+
+def test_q8_and_merge_kernels_match_pytorch_in_the_interpreter():
+    """`kernels.dequantize_q8_` (strided outputs, a batch-1 prefix for two items) and `kernels.merge_lse_` (queries
+    that saw no key in one part) against `q8`'s PyTorch paths, float32 / fp16 / bf16."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", Q8_AND_MERGE], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cases 15" in done.stdout
+
+
+def test_without_a_gpu_the_q8_kernels_decline():
+    if kernels.INTERPRET:
+        pytest.skip("this process runs Triton's interpreter")
+    from qkv_core import q8
+    values, scales = q8.quantize_q8(torch.randn(1, 8, 2, 64))
+    assert kernels.dequantize_q8_(torch.empty(1, 8, 2, 64), values, scales, q8.GROUP) is False
+    out = torch.randn(1, 8, 2, 64)
+    assert kernels.merge_lse_(out, torch.zeros(1, 2, 8), out.clone(), torch.zeros(1, 2, 8)) is False
