@@ -30,9 +30,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, tokens, heads, head_eps, split,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, tokens, head_eps, split,
                           stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft, stride_wh,
-                          DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
+                          HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_W2: tl.constexpr, HAS_F: tl.constexpr,
                           HEAD_NORM: tl.constexpr):
         # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
@@ -49,7 +49,7 @@ if triton is not None:
             f_odd = tl.load(table + 1, mask=mask, other=0.0)     # factor of x[2 i + 1]
         if HAS_INV:
             inv = tl.load(inv_ptr + batch * stride_ib + t * stride_it, mask=rows, other=0.0).to(tl.float32)
-        for head in range(0, heads):
+        for head in range(0, HEADS):   # a compile-time count: Triton 3.6's interpreter takes no runtime one
             ptrs = x_ptr + batch * stride_xb + t[:, None] * stride_xt + head * stride_xh + c[None, :]
             raw = tl.load(ptrs, mask=mask, other=0.0)
             x = raw.to(tl.float32)
@@ -78,17 +78,20 @@ if triton is not None:
                               stride_ob, stride_ot, stride_oh,
                               DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr):
         # a block of tokens of one head of one batch item: int8 values times their group's fp16 scale, in
-        # float32, rounded once to the output's dtype (the PyTorch path's math)
+        # float32, rounded once to the output's dtype (the PyTorch path's math); each scale is read once and
+        # broadcast over its group's channels
         block, head, batch = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        c = tl.arange(0, DIM)
-        mask = (t < tokens)[:, None]
-        values = tl.load(v_ptr + batch * stride_vb + t[:, None] * stride_vt + head * stride_vh + c[None, :],
+        g = tl.arange(0, DIM // GROUP)
+        k = tl.arange(0, GROUP)
+        channel = g[None, :, None] * GROUP + k[None, None, :]
+        mask = (t < tokens)[:, None, None]
+        values = tl.load(v_ptr + batch * stride_vb + t[:, None, None] * stride_vt + head * stride_vh + channel,
                          mask=mask, other=0)
-        scales = tl.load(s_ptr + batch * stride_sb + t[:, None] * stride_st + head * stride_sh
-                         + (c // GROUP)[None, :], mask=mask, other=0.0)
-        x = values.to(tl.float32) * scales.to(tl.float32)
-        tl.store(o_ptr + batch * stride_ob + t[:, None] * stride_ot + head * stride_oh + c[None, :],
+        scales = tl.load(s_ptr + batch * stride_sb + t[:, None] * stride_st + head * stride_sh + g[None, :],
+                         mask=(t < tokens)[:, None], other=0.0)
+        x = values.to(tl.float32) * scales.to(tl.float32)[:, :, None]
+        tl.store(o_ptr + batch * stride_ob + t[:, None, None] * stride_ot + head * stride_oh + channel,
                  x.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -184,13 +187,13 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
             f = f.contiguous()
     block_t = max(1, 2048 // dim)
     grid = (triton.cdiv(tokens, block_t), batch)
-    args = (t, inv, w, w2, f, tokens, heads, 0.0 if head_norm_eps is None else float(head_norm_eps),
+    args = (t, inv, w, w2, f, tokens, 0.0 if head_norm_eps is None else float(head_norm_eps),
             0 if split is None else int(split),
             t.stride(0), t.stride(1), t.stride(2),
             inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
             f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
             dim if weight is not None and w.numel() == heads * dim else 0)
-    meta = dict(DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
+    meta = dict(HEADS=heads, DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
                 HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None)
 
     def launch():
@@ -214,8 +217,8 @@ def _rows_contiguous(*tensors) -> bool:
     return all(t.dim() == 4 and t.stride(-1) == 1 for t in tensors)
 
 
-def _block_tokens(dim: int) -> int:
-    return max(1, 4096 // dim)   # about 4,096 elements a block: enough in flight to stream at full bandwidth
+def _block_tokens(dim: int, elements: int = 4096) -> int:
+    return max(1, elements // dim)   # elements a block: enough in flight to stream at full bandwidth
 
 
 def dequantize_q8_(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, group: int) -> bool:
@@ -230,14 +233,14 @@ def dequantize_q8_(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
     if dim & (dim - 1) or dim < group or values.shape[1:] != out.shape[1:] or values.shape[0] not in (1, batch) \
             or tuple(scales.shape) != (*values.shape[:-1], dim // group) or out.numel() == 0:
         return False
-    block_t = _block_tokens(dim)
+    block_t = _block_tokens(dim, 8192)
     broadcast = values.shape[0] == 1 and batch > 1
     grid = (triton.cdiv(tokens, block_t), heads, batch)
     _dequantize_q8_kernel[grid](values, scales, out, tokens,
                                 0 if broadcast else values.stride(0), values.stride(1), values.stride(2),
                                 0 if broadcast else scales.stride(0), scales.stride(1), scales.stride(2),
                                 out.stride(0), out.stride(1), out.stride(2),
-                                DIM=dim, GROUP=group, BLOCK_T=block_t)
+                                DIM=dim, GROUP=group, BLOCK_T=block_t, num_warps=8)
     return True
 
 
