@@ -169,11 +169,24 @@ def _sage_version() -> Optional[str]:
 
 
 class SageBackend(AttentionBackend):
-    """SageAttention's `sageattn` (1.x from PyPI or a user-built 2.x), unmasked, CUDA fp16/bf16."""
+    """SageAttention's `sageattn` (1.x from PyPI or a user-built 2.x), unmasked, CUDA fp16/bf16. With SageAttention
+    1 the runtime's calls run its staged core (`qkv_core.sage.Sage1Core`: its quantizers as each of v, k, q is
+    handed over, its kernel writing into the call's output). `attend` (unstaged) consumes k: `sageattn` subtracts
+    the key mean in place."""
 
     name = "sage"
 
     _major: Optional[int] = None
+    _core: Optional["StagedCore"] = None
+
+    @property
+    def staged_core(self) -> Optional["StagedCore"]:
+        if self.unavailable_reason() is not None or self.major_version() != 1:
+            return None
+        if self._core is None:
+            from .sage import Sage1Core
+            self._core = Sage1Core()
+        return self._core
 
     def unavailable_reason(self):
         return _import_problem("sageattention")
@@ -194,10 +207,8 @@ class SageBackend(AttentionBackend):
         if self.major_version() >= 2:
             if dim > 128:
                 return f"head dim {dim} is over 128"
-        elif dim not in (64, 96, 128):
-            return f"head dim {dim} is not 64, 96 or 128 (SageAttention 1)"
-        if k.shape[2] != q.shape[2] and self.major_version() < 2:
-            return "grouped-query attention needs SageAttention 2"
+        elif dim not in (64, 128):
+            return f"head dim {dim} is not 64 or 128 (SageAttention 1's staged kernels)"
         return _cuda_half(q)
 
     def attend(self, q, k, v, mask=None, softmax_scale=None):

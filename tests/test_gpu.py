@@ -98,3 +98,19 @@ def test_q8_and_merge_kernels_on_cuda(dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
     assert float((out.float() - want_out.float()).abs().max()) <= tolerance * float(want_out.float().abs().max())
     assert float((lse - want_lse).abs().max()) <= 1e-4
+
+
+def test_sage1_staged_core_equals_sageattn_on_cuda():
+    """SageAttention 1's staged core (`qkv_core/sage.py`) against its own `sageattn` on the GPU, bitwise, through
+    `kv_first_attention` and through a head-split call."""
+    pytest.importorskip("sageattention", reason="SageAttention is not installed")
+    from sageattention import sageattn
+    from qkv_core.sage import Sage1Core  # noqa: F401 - the staged core the backend hands out
+    if qc.backends._REGISTRY["sage"].major_version() != 1:
+        pytest.skip("the installed SageAttention is not 1.x")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 3000, 8, 128, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
+    k += 0.5   # biased keys: the smoothing matters
+    want = sageattn(q.clone(), k.clone(), v.clone(), tensor_layout="NHD")
+    got = qc.kv_first_attention([q.clone(), k.clone(), v.clone()], force_attention="sage")
+    assert torch.equal(got, want)
