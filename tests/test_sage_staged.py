@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CHECK = textwrap.dedent("""
+    import sys
     import torch
     import qkv_core as qc
     from qkv_core import backends, kernels
@@ -24,6 +25,15 @@ CHECK = textwrap.dedent("""
     g = torch.Generator().manual_seed(0)
     core = Sage1Core()
     cases = 0
+    try:   # SageAttention's kernels loop to a runtime bound, which some interpreters cannot run
+        probe = torch.randn(1, 64, 1, 64).half()
+        sage1_reference(probe, probe, probe)
+    except Exception as error:
+        if "0-dimensional" in repr(error):
+            print("SKIP: this Triton interpreter takes no runtime loop bound (Triton 3.6 with numpy 2.5): "
+                  "SageAttention's kernels cannot run in it")
+            sys.exit(0)
+        raise
     # the core's steps, into a strided view of a larger output, against sageattn's own sequence
     for dtype in (torch.float16, torch.bfloat16):
         for batch, tokens, heads, kv_heads, dim in ((1, 256, 2, 2, 64), (2, 192, 4, 2, 64), (1, 200, 2, 1, 128)):
@@ -76,4 +86,6 @@ def test_sage1_staged_core_equals_sageattn_in_the_interpreter():
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", CHECK], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.startswith("SKIP: "):
+        pytest.skip(done.stdout[len("SKIP: "):].strip())
     assert "cases 8" in done.stdout
