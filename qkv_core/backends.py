@@ -31,6 +31,8 @@ class AttentionBackend:
     name = "?"
     #: a staged core (quantizers separate from the attention), or None
     staged_core: Optional["StagedCore"] = None
+    #: `auto` takes it only where a one-time measurement on this GPU finds it faster than SDPA (`auto_measured`)
+    measured_in_auto: bool = False
 
     def unavailable_reason(self) -> Optional[str]:
         """None when the backend can run in this process, else why not (not installed, no CUDA, ...)."""
@@ -180,6 +182,12 @@ class SageBackend(AttentionBackend):
     _core: Optional["StagedCore"] = None
 
     @property
+    def measured_in_auto(self) -> bool:
+        # SageAttention 1 against PyTorch's attention depends on the GPU (H200: 260 ms against cuDNN's 208 ms for
+        # 75,600 tokens x 40 heads): `auto` measures it once per GPU, head dim and dtype
+        return self.major_version() == 1
+
+    @property
     def staged_core(self) -> Optional["StagedCore"]:
         if self.unavailable_reason() is not None or self.major_version() != 1:
             return None
@@ -299,30 +307,68 @@ def _check_name(name: str) -> None:
         raise ValueError(f"unknown attention backend {name!r}: use one of {[AUTO] + backend_names()}")
 
 
-def _auto_order() -> list[str]:
-    # SageAttention 1 is slower and hungrier than SDPA on recent GPUs (measured on H200): auto takes only 2.x.
-    order = []
-    for name in _FALLBACK_ORDER:
-        backend = _REGISTRY[name]
-        if isinstance(backend, SageBackend) and backend.major_version() < 2:
-            continue
-        order.append(name)
-    return order
+# The micro-benchmark `auto` runs once per (GPU, backend, head dim, dtype) for a backend with `measured_in_auto`:
+# one attention of MEASURE_TOKENS tokens x MEASURE_HEADS heads, MEASURE_REPEATS times after a warm-up, against SDPA.
+MEASURE_TOKENS, MEASURE_HEADS, MEASURE_REPEATS = 16384, 8, 3
+_MEASURED: dict[tuple, bool] = {}   # key -> the measured backend beat SDPA
+
+
+def _measure_seconds(backend: AttentionBackend, shape: tuple, dtype, device) -> float:
+    """The median time of `backend.attend` on random q, k, v of `shape` (CUDA events)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    times = []
+    for repeat in range(MEASURE_REPEATS + 1):
+        q, k, v = (torch.randn(shape, device=device, generator=g).to(dtype) for _ in range(3))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        backend.attend(q, k, v)
+        end.record()
+        torch.cuda.synchronize(device)
+        if repeat:
+            times.append(start.elapsed_time(end) / 1000)
+        del q, k, v
+    return sorted(times)[len(times) // 2]
+
+
+def auto_measured(backend: AttentionBackend, q) -> bool:
+    """Does `backend` (one with `measured_in_auto`) beat SDPA for calls like `q` (anything with `shape`, `dtype`,
+    `device`: CUDA only) on this GPU? Measured once per GPU, backend, head dim and dtype, kept for the process and
+    said once in the log; a measurement that fails says no."""
+    device = torch.device(q.device)
+    if device.type != "cuda":
+        return False
+    key = (torch.cuda.get_device_name(device), backend.name, q.shape[-1], q.dtype)
+    if key not in _MEASURED:
+        shape = (1, MEASURE_TOKENS, MEASURE_HEADS, q.shape[-1])
+        try:
+            with torch.no_grad():
+                mine = _measure_seconds(backend, shape, q.dtype, device)
+                theirs = _measure_seconds(_REGISTRY["sdpa"], shape, q.dtype, device)
+        except Exception as error:  # noqa: BLE001 - a kernel that fails to run here is simply not chosen
+            _MEASURED[key] = False
+            notice_once(f"measured:{key}", f"[Attention] auto: {backend.name} could not be measured on {key[0]} "
+                                           f"({type(error).__name__}: {error}); SDPA is used")
+            return False
+        _MEASURED[key] = mine < theirs
+        winner = backend.name if mine < theirs else "sdpa"
+        notice_once(f"measured:{key}", f"[Attention] auto: measured on {key[0]}, head dim {key[2]}, {key[3]}: "
+                                       f"{backend.name} {mine * 1000:.2f} ms, sdpa {theirs * 1000:.2f} ms "
+                                       f"({MEASURE_TOKENS} tokens x {MEASURE_HEADS} heads): {winner} is used")
+    return _MEASURED[key]
 
 
 def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Optional[str] = None
                     ) -> AttentionBackend:
-    """The backend that will take this call: the requested one, or the first after it that can."""
+    """The backend that will take this call: the requested one, or the first after it that can. `auto`: the first
+    of all that can, a backend with `measured_in_auto` only where it measured faster than SDPA on this GPU."""
     choice = force_attention or _global_choice
     _check_name(choice)
-    if choice == AUTO:
-        candidates = _auto_order()
-    else:
-        start = _FALLBACK_ORDER.index(choice)
-        candidates = _FALLBACK_ORDER[start:]
-    for name in candidates:
+    start = 0 if choice == AUTO else _FALLBACK_ORDER.index(choice)
+    for name in _FALLBACK_ORDER[start:]:
         backend = _REGISTRY[name]
         reason = backend.unavailable_reason() or backend.cannot_take(q, k, v, mask, softmax_scale)
+        if reason is None and choice == AUTO and backend.measured_in_auto and not auto_measured(backend, q):
+            continue   # slower than SDPA on this GPU (measured once)
         if reason is None:
             return backend
         if choice != AUTO and name == choice:

@@ -139,3 +139,51 @@ def test_kept_key_groups_and_sum_squares():
     acc = torch.zeros(2, 3)
     statistics.sum_squares_(t, acc)
     torch.testing.assert_close(acc, t.float().square().sum((-2, -1)))
+
+
+def test_auto_measures_a_backend_once_per_gpu_and_takes_the_faster(monkeypatch):
+    """A backend with `measured_in_auto` (SageAttention 1) goes into `auto` only where a one-time micro-benchmark
+    on that GPU finds it faster than SDPA; the measurement is kept per (GPU, backend, head dim, dtype) and said in
+    the log once."""
+    from types import SimpleNamespace
+    from qkv_core import backends
+
+    class Measured(backends.AttentionBackend):
+        name = "measured-test"
+        measured_in_auto = True
+
+        def attend(self, q, k, v, mask=None, softmax_scale=None):   # pragma: no cover - never run here
+            raise AssertionError
+
+    times = {"measured-test": 0.010, "sdpa": 0.020}
+    calls = []
+
+    def measure(backend, shape, dtype, device):
+        calls.append((backend.name, shape))
+        return times[backend.name]
+    monkeypatch.setattr(backends, "_measure_seconds", measure)
+    monkeypatch.setattr(backends.torch.cuda, "get_device_name", lambda device=None: "Test GPU")
+    monkeypatch.setattr(backends, "_MEASURED", {})
+    monkeypatch.setattr(backends, "_FALLBACK_ORDER", ["sdpa"])   # the installed backends out of the way
+    backends.register_backend(Measured(), before="sdpa")
+    try:
+        qc.reset_notices()
+        spec = SimpleNamespace(shape=(1, 100, 4, 64), dtype=torch.float16, device=torch.device("cuda"))
+        assert backends.resolve_backend(spec, spec, spec).name == "measured-test"
+        assert backends.resolve_backend(spec, spec, spec).name == "measured-test"
+        assert [name for name, _ in calls] == ["measured-test", "sdpa"]   # once
+        assert calls[0][1] == (1, backends.MEASURE_TOKENS, backends.MEASURE_HEADS, 64)
+        lines = qc.drain_notices()
+        assert any("measured on Test GPU, head dim 64" in line and "measured-test is used" in line for line in lines)
+        times["measured-test"] = 0.030                                   # another head dim: measured again
+        slower = SimpleNamespace(shape=(1, 100, 4, 128), dtype=torch.float16, device=torch.device("cuda"))
+        assert backends.resolve_backend(slower, slower, slower).name == "sdpa"
+        assert len(calls) == 4
+        assert any("sdpa is used" in line for line in qc.drain_notices())
+        # asked for by name, it is used without measuring; on CPU, auto never measures
+        assert backends.resolve_backend(slower, slower, slower, force_attention="measured-test").name == \
+            "measured-test"
+        cpu = SimpleNamespace(shape=(1, 100, 4, 32), dtype=torch.float16, device=torch.device("cpu"))
+        assert backends.resolve_backend(cpu, cpu, cpu).name == "sdpa" and len(calls) == 4
+    finally:
+        backends.unregister_backend("measured-test")
