@@ -29,8 +29,8 @@ import comfy.ldm.cosmos.predict2 as predict2
 from . import compat
 from .attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
 from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module
+from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Cosmos"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
@@ -394,10 +394,5 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    for _, block in _blocks(diffusion_model):
-        for name in ("q_proj", "k_proj", "v_proj"):
-            reason = not_row_sliceable(getattr(block.self_attn, name, None))
-            if reason is not None:
-                return f"self_attn.{name}: {reason}"
-        return None
-    return "no blocks"
+    block = next(_blocks(diffusion_model), (None, None))[1]
+    return unsliceable_projection(getattr(block, "self_attn", None), ("q_proj", "k_proj", "v_proj"), "self_attn.")

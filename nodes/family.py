@@ -7,9 +7,10 @@ tried, and a model none of them matches gets the kernel-level patch (`nodes/kern
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, runtime_checkable
 
 from . import compat
+from .comfy_ops import not_row_sliceable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,19 @@ def check_adapter(adapter) -> None:
     factors = adapter.MEMORY_FACTORS
     if not 0 < factors.split <= factors.unsplit <= 1:
         raise ValueError(f"{adapter.FAMILY}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
+
+
+def unsliceable_projection(module, names: Sequence[str], where: str = "") -> Optional[str]:
+    """The adapters' `splits_projections`: why the first of `module`'s projection layers `names` cannot be computed
+    by rows (`comfy_ops.not_row_sliceable`), as "<where><name>: <reason>"; None when every one can; "no blocks"
+    without a module (a model with no block of the family's)."""
+    if module is None:
+        return "no blocks"
+    for name in names:
+        reason = not_row_sliceable(getattr(module, name, None))
+        if reason is not None:
+            return f"{where}{name}: {reason}"
+    return None
 
 
 def patch_module(patcher, report, family: str, path: str, what: str, make_forward: Callable[[], Callable],

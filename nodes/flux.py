@@ -25,9 +25,9 @@ import comfy.ldm.flux.layers as flux_layers
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
 from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
-from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
-from .family import MemoryFactors, patch_module
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Flux"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
@@ -423,8 +423,7 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    for _, _, block in _blocks(diffusion_model):
-        linear = block.img_attn.qkv if hasattr(block, "img_attn") else block.linear1
-        reason = not_row_sliceable(linear)
-        return None if reason is None else f"qkv: {reason}"
-    return "no blocks"
+    block = next(_blocks(diffusion_model), (None, None, None))[2]
+    if hasattr(block, "img_attn"):
+        return unsliceable_projection(block.img_attn, ("qkv",), "img_attn.")
+    return unsliceable_projection(block, ("linear1",))

@@ -14,8 +14,8 @@ token chunks and handed off to the runtime, the output projections add into the 
 the feed-forwards run by token chunks: the text stream's SwiGLU cast once, the image stream's routed mixture of
 experts (each token sent to two of four experts, a shared expert beside them) as ComfyUI's own module on each
 chunk (routing is per token: the same math), `MOE_CHUNK_BUDGET` x |x| a chunk (whole where the attention is
-not split). The residual updates go into a new
-tensor per stream (ComfyUI's block does not write its inputs). Routing makes the block sensitive to round-off:
+not split). The residual updates go into a new tensor per stream (ComfyUI's block does not write its inputs).
+Routing makes the block sensitive to round-off:
 in 16 bits a token near a tie between two experts may take the other one (the whole block then differs on that
 token by an expert's output, as it does between ComfyUI's own attention kernels), so the block's self-check
 leaves out the 2% of its check tokens farthest from stock (`compat.compare(routed=True)`).
@@ -37,9 +37,9 @@ from . import compat
 from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend, attribute,
                         is_rms_norm)
 from .block_parts import SWIGLU, chunk_scale, foreign_part, mlp_residual_, output_projection_, projection_residual_
-from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
-from .family import MemoryFactors, patch_module
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "HiDream"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept.
@@ -430,11 +430,4 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    attn = next(_attentions(diffusion_model), (None, None))[1]
-    if attn is None:
-        return "no attention"
-    for name in ("to_q", "to_k", "to_v"):
-        reason = not_row_sliceable(getattr(attn, name, None))
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
+    return unsliceable_projection(next(_attentions(diffusion_model), (None, None))[1], ("to_q", "to_k", "to_v"))

@@ -33,8 +33,8 @@ except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matc
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import foreign_part, mlp_residual_
-from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module
+from .comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Kandinsky5"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
@@ -287,11 +287,4 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    attention = _first_attention(diffusion_model)
-    if attention is None:
-        return "no blocks"
-    for name in ("to_query", "to_key", "to_value"):
-        reason = not_row_sliceable(getattr(attention, name, None))
-        if reason is not None:
-            return f"{name}: {reason}"
-    return None
+    return unsliceable_projection(_first_attention(diffusion_model), ("to_query", "to_key", "to_value"))

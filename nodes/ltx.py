@@ -39,8 +39,8 @@ from . import compat
 from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_PAIRS,
                         ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
 from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module
+from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "LTX"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
@@ -486,10 +486,5 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    for _, block in _blocks(diffusion_model):
-        for name in ("to_q", "to_k", "to_v"):
-            reason = not_row_sliceable(getattr(block.attn1, name, None))
-            if reason is not None:
-                return f"attn1.{name}: {reason}"
-        return None
-    return "no blocks"
+    block = next(_blocks(diffusion_model), (None, None))[1]
+    return unsliceable_projection(getattr(block, "attn1", None), ("to_q", "to_k", "to_v"), "attn1.")

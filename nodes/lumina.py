@@ -35,8 +35,8 @@ import comfy.ldm.lumina.model as lumina_model
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import GatedMLP, foreign_part, mlp_residual_
-from .comfy_ops import chunk_tokens, linear_handed_off, not_row_sliceable, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module
+from .comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Lumina2"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
@@ -381,8 +381,4 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    attention = _first_attention(diffusion_model)
-    if attention is None:
-        return "no blocks"
-    reason = not_row_sliceable(getattr(attention, "qkv", None))
-    return None if reason is None else f"qkv: {reason}"
+    return unsliceable_projection(_first_attention(diffusion_model), ("qkv",))

@@ -28,9 +28,9 @@ import comfy.ldm.qwen_image.model as qwen_model
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
 from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
-from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
+from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
-from .family import MemoryFactors, patch_module
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
@@ -426,10 +426,6 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    for _, block in _blocks(diffusion_model):
-        for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
-            reason = not_row_sliceable(getattr(block.attn, name, None))
-            if reason is not None:
-                return f"attn.{name}: {reason}"
-        return None
-    return "no blocks"
+    block = next(_blocks(diffusion_model), (None, None))[1]
+    return unsliceable_projection(getattr(block, "attn", None),
+                                  ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"), "attn.")

@@ -30,8 +30,8 @@ import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
 from .block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
-from .comfy_ops import chunk_tokens, not_row_sliceable, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module
+from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "SD3"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
@@ -333,7 +333,5 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    for _, block in _blocks(diffusion_model):
-        reason = not_row_sliceable(block.x_block.attn.qkv)
-        return None if reason is None else f"qkv: {reason}"
-    return "no blocks"
+    block = next(_blocks(diffusion_model), (None, None))[1]
+    return unsliceable_projection(None if block is None else block.x_block.attn, ("qkv",), "x_block.attn.")

@@ -27,7 +27,7 @@ from .block_parts import output_projection_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
-from .family import MemoryFactors, patch_module
+from .family import MemoryFactors, patch_module, unsliceable_projection
 
 FAMILY = "Wan"
 # Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
@@ -530,11 +530,5 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 def splits_projections(diffusion_model) -> Optional[str]:
     """None when the self-attention projections can be computed by rows (the head split can run), else why not."""
-    for _, _, block in _block_lists(diffusion_model):
-        attention = getattr(block, "self_attn", None)
-        for name in ("q", "k", "v"):
-            reason = not_row_sliceable(getattr(attention, name, None))
-            if reason is not None:
-                return f"self_attn.{name}: {reason}"
-        return None
-    return "no blocks"
+    block = next(_block_lists(diffusion_model), (None, None, None))[2]
+    return unsliceable_projection(getattr(block, "self_attn", None), ("q", "k", "v"), "self_attn.")

@@ -100,3 +100,37 @@ def test_lora_on_the_projection_weight(env, family):
     assert rel_err(stock_lora, plain) > 1e-3             # the LoRA changes the output
     assert rel_err(ours_lora, stock_lora) <= 1e-5
     assert rel_err(_forward(case), plain) <= 1e-6         # and is gone afterwards
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_projections_are_row_sliceable_and_a_foreign_layer_is_named(env, family):
+    """`splits_projections` (the shared `family.unsliceable_projection`): None for the plain layers of every case;
+    a layer of a class that computes its own way is named with the reason."""
+    import importlib
+    import torch
+    case = family_cases.case(family)
+    model = case.patcher.model.diffusion_model
+    patching = importlib.import_module(env.pack.__name__ + ".nodes.patching")
+    adapter = patching.find_adapter(model)
+    assert adapter.splits_projections(model) is None
+    owner_path, _, name = case.lora_key[len("diffusion_model."):-len(".weight")].rpartition(".")
+    kind = owner_path.split(".")[-1]   # that layer in every block's module of that kind (the adapter reads one)
+    owners = [m for path, m in model.named_modules() if path.split(".")[-1] == kind and hasattr(m, name)]
+    originals = [getattr(owner, name) for owner in owners]
+
+    class Foreign(torch.nn.Module):   # a layer the pack cannot slice by rows
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+            self.weight = layer.weight
+
+        def forward(self, x):
+            return self.layer(x)
+    for owner, original in zip(owners, originals):
+        setattr(owner, name, Foreign(original))
+    try:
+        reason = adapter.splits_projections(model)
+    finally:
+        for owner, original in zip(owners, originals):
+            setattr(owner, name, original)
+    assert reason is not None and name in reason, reason
