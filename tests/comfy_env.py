@@ -659,6 +659,24 @@ def fill_random_(module, seed=0, norm_noise=0.1, modulation_std=0.3, bias_std=0.
     return module
 
 
+def fp8_cast_per_call_(module, storage=None) -> int:
+    """`module`'s ComfyUI Linear layers as ComfyUI runs an fp8 checkpoint computed in a wider dtype: each 2-D
+    weight stored in `storage` (default float8_e4m3fn) and cast for every call (`comfy_cast_weights`), its bias
+    kept. In place; returns how many layers changed."""
+    import torch
+    import comfy.ops
+    storage = storage or torch.float8_e4m3fn
+    count = 0
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, comfy.ops.CastWeightBiasOp) and isinstance(layer, torch.nn.Linear) and \
+                    layer.weight is not None and layer.weight.dim() == 2:
+                layer.weight = torch.nn.Parameter(layer.weight.to(storage), requires_grad=False)
+                layer.comfy_cast_weights = True
+                count += 1
+    return count
+
+
 def make_wan(kind="t2v", dim=128, heads=4, layers=2, ffn_dim=None, text_dim=32, vace_layers=1,
              dtype=None, seed=0, device="cpu", **extra_config):
     """Tiny random-weight Wan wrapped in a ``ModelPatcher`` (float32 on CPU by default).
