@@ -380,6 +380,32 @@ def make_gguf_wan(qtype="Q8_0", kind="t2v", quantize_key=None, via_file=False, p
     return patcher
 
 
+def as_gguf(patcher, qtype="Q8_0"):
+    """Any family's tiny model (a ModelPatcher built from ComfyUI's own config class) rebuilt with ComfyUI-GGUF's
+    ``GGMLOps`` and its Linear weights quantized to ``qtype`` (those whose input size is a multiple of the block
+    size; the rest F32), as ``make_gguf_wan`` does for Wan: a ``GGUFModelPatcher``."""
+    require_gguf()
+    import torch
+    import comfy.model_patcher
+    qt = qtype_enum(qtype)
+    model = patcher.model
+    linear = {f"{name}.weight" for name, m in model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    float_sd = {k: v.detach().clone() for k, v in model.diffusion_model.state_dict().items()}
+    sd = gguf_state_dict(float_sd, qt, lambda key, value, q: key in linear and value.ndim == 2
+                         and value.shape[-1] % block_size(q) == 0)
+    config = type(model.model_config)(dict(model.model_config.unet_config))
+    config.set_inference_dtype(torch.float32, None)
+    config.custom_operations = _new_ops()
+    rebuilt = config.get_model(sd, "", device=torch.device("cpu"))
+    rebuilt.load_model_weights(dict(sd), "")
+    rebuilt.eval()
+    base = comfy.model_patcher.ModelPatcher(rebuilt, load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    out = pack_module("nodes").GGUFModelPatcher.clone(base)
+    out.gguf_keys = sorted(k for k, v in sd.items() if is_quantized(v))
+    return out
+
+
 def write_gguf_file(path, sd, arch="wan"):
     """Write {key: GGMLTensor} to a .gguf file (keys with ComfyUI's "model.diffusion_model." prefix stripped,
     as city96's convert.py writes them)."""

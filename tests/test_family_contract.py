@@ -1,8 +1,8 @@
 """The contract every family adapter meets, one parametrized test per promise (tests/family_cases.py builds the
 tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
 at every level, with and without block bounds, and really splits; a short sampling run equals stock; a LoRA on a
-q/k/v (or fused qkv) weight gives the LoRA's output; fp8 weights cast per call equal stock; the unpatched model is
-stock again. Masks (HunyuanVideo's text
+q/k/v (or fused qkv) weight gives the LoRA's output; fp8 weights cast per call and GGUF weights equal stock; the
+unpatched model is stock again. Masks (HunyuanVideo's text
 padding, LTX-Video's cross-attention text mask), Qwen-Image's reference latents, grouped-query heads
 (Lumina 2) and HiDream's mixture-of-experts blocks are in the cases. Skipped without
 ComfyUI."""
@@ -146,6 +146,28 @@ def test_fp8_weights_cast_per_call(env, family):
     assert comfy_env.fp8_cast_per_call_(case.patcher.model.diffusion_model) > 0
     reference = _forward(case)
     patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", True)
+    assert report.any_patched and not report.skipped_reasons, report.lines()
+    env.core.reset_notices()
+    with comfy_env.SdpaHeads(env.torch) as spy:
+        out = _forward(case, applied=patched)
+    assert not _fallbacks(env), family
+    assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
+    groups = env.core.group_count(case.kv_heads, 10**6, 3)
+    assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, spy.self_heads)
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_gguf_weights(env, family):
+    """GGUF (Q8_0) weights through city96's ComfyUI-GGUF (its GGMLOps, each Linear dequantizing its own weight):
+    patched equals stock on the same weights at High with block bounds, without a fallback, and the split runs.
+    Skipped without ComfyUI-GGUF or `gguf`."""
+    import gguf_env
+    case = family_cases.case(family)
+    gguf = gguf_env.as_gguf(case.patcher)
+    assert gguf.gguf_keys
+    case = case._replace(patcher=gguf)
+    reference = _forward(case)
+    patched, report = env.node.apply_patch(gguf, "High", "sdpa", True)
     assert report.any_patched and not report.skipped_reasons, report.lines()
     env.core.reset_notices()
     with comfy_env.SdpaHeads(env.torch) as spy:
