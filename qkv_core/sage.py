@@ -23,7 +23,6 @@ from .backends import StagedCore
 
 LOG2E = 1.44269504   # SageAttention folds log2(e) into q's scale: its kernel takes exp2
 Q_BLOCK, K_BLOCK = 128, 64   # SageAttention 1's token blocks of q's and k's scales (its attention kernel's tiles)
-SAGE1_HEAD_DIMS = (64, 128)
 
 
 def _sage1_kernels():
