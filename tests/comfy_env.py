@@ -896,6 +896,28 @@ def model_forward(patcher, inputs, applied=None, options=None):
             applied.unpatch_model(unpatch_weights=False)
 
 
+def weights_forward(patcher, inputs, lowvram=False, layer=None):
+    """`patcher`'s diffusion model on fresh copies of `inputs` with its weight patches applied (a LoRA):
+    `lowvram=True` loads it as ComfyUI's low-VRAM mode does (`lowvram_model_memory=1`: the patches become each
+    layer's weight functions, applied at every call); `layer(diffusion_model)` then names a patched layer, which
+    must really take that path. Unpatched afterwards."""
+    import torch
+    if lowvram:
+        patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+        if layer is not None:
+            patched_layer = layer(patcher.model.diffusion_model)
+            assert len(patched_layer.weight_function) > 0 and patched_layer.comfy_cast_weights   # LowVramPatch
+    else:
+        patcher.patch_model(device_to=torch.device("cpu"))
+    try:
+        options = dict(patcher.model_options.get("transformer_options", {}))
+        with torch.no_grad():
+            return patcher.model.diffusion_model(**{k: fresh(v) for k, v in inputs.items()},
+                                                 transformer_options=options)
+    finally:
+        patcher.unpatch_model()
+
+
 def stock_fallbacks(env) -> list:
     """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
     return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]

@@ -337,19 +337,8 @@ def test_lora_on_the_fused_qkv_gives_the_same_output(env, split_everything, lowv
     patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
 
     def run(patcher):
-        if lowvram:
-            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
-            qkv = patcher.model.diffusion_model.layers[0].attention.qkv
-            assert len(qkv.weight_function) > 0 and qkv.comfy_cast_weights   # the LowVramPatch path
-        else:
-            patcher.patch_model(device_to=torch.device("cpu"))
-        try:
-            options = dict(patcher.model_options.get("transformer_options", {}))
-            with torch.no_grad():
-                return patcher.model.diffusion_model(**{k: (v.clone() if torch.is_tensor(v) else v)
-                                                        for k, v in inputs.items()}, transformer_options=options)
-        finally:
-            patcher.unpatch_model()
+        return comfy_env.weights_forward(patcher, inputs, lowvram,
+                                         layer=lambda model: model.layers[0].attention.qkv)
 
     stock_lora = run(lora)
     env.core.reset_notices()

@@ -306,19 +306,8 @@ def test_lora_gives_the_same_output(env, split_everything, lowvram):
     patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
 
     def run(patcher):
-        if lowvram:
-            patcher.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
-            q = patcher.model.diffusion_model.transformer_blocks[0].attn.to_q
-            assert len(q.weight_function) > 0 and q.comfy_cast_weights   # the LowVramPatch path
-        else:
-            patcher.patch_model(device_to=torch.device("cpu"))
-        try:
-            options = dict(patcher.model_options.get("transformer_options", {}))
-            with torch.no_grad():
-                return patcher.model.diffusion_model(**{k: v.clone() for k, v in inputs.items()},
-                                                     transformer_options=options)
-        finally:
-            patcher.unpatch_model()
+        return comfy_env.weights_forward(patcher, inputs, lowvram,
+                                         layer=lambda model: model.transformer_blocks[0].attn.to_q)
 
     stock_lora = run(lora)
     env.core.reset_notices()
