@@ -4,7 +4,7 @@ A model calls the runtime instead of projecting q/k/v itself and calling attenti
 lets the runtime bound the memory they take. See SPEC.md / README.md. Never imports ComfyUI.
 """
 from .backends import (AttentionBackend, StagedCore, available_backends, backend_names, get_attention_backend,
-                       pay_attention, register_backend, resolve_backend, set_attention_backend,
+                       native_prefix_kit, pay_attention, register_backend, resolve_backend, set_attention_backend,
                        unregister_backend)
 from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGroup, get_head_split_level,
                          SplitPlan, group_count, head_groups, parse_level, set_head_split_level, split_plan)
@@ -28,7 +28,7 @@ __all__ = [
     "FusedRows", "as_row_projection",
     "AttentionBackend", "StagedCore", "pay_attention", "resolve_backend", "register_backend",
     "unregister_backend", "backend_names", "available_backends", "set_attention_backend",
-    "get_attention_backend",
+    "get_attention_backend", "native_prefix_kit",
     "quantize_q8", "dequantize_q8", "dequantize_q8_into", "merge_lse_",
     "KVPrefix", "q8_prefix", "cache_prefix", "dequantize_prefix", "PrefixLayer", "PrefixCache",
     "drain_notices", "reset_notices",

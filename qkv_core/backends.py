@@ -171,10 +171,10 @@ def _sage_version() -> Optional[str]:
 
 
 class SageBackend(AttentionBackend):
-    """SageAttention's `sageattn` (1.x from PyPI or a user-built 2.x), unmasked, CUDA fp16/bf16. With SageAttention
-    1 the runtime's calls run its staged core (`qkv_core.sage.Sage1Core`: its quantizers as each of v, k, q is
-    handed over, its kernel writing into the call's output). `attend` (unstaged) consumes k: `sageattn` subtracts
-    the key mean in place."""
+    """SageAttention (1.x from PyPI or a user-built 2.x), CUDA fp16/bf16, head dims 64 and 128. The runtime's
+    calls run its staged core (`sage.Sage1Core`, `sage2.Sage2Core`: its quantizers as each of v, k, q is handed
+    over, its kernel writing into the call's output). Masks: SageAttention 2 only (its Triton kernel). `attend`
+    (unstaged) with SageAttention 1 consumes k: its `sageattn` subtracts the key mean in place."""
 
     name = "sage"
 
@@ -189,11 +189,15 @@ class SageBackend(AttentionBackend):
 
     @property
     def staged_core(self) -> Optional["StagedCore"]:
-        if self.unavailable_reason() is not None or self.major_version() != 1:
+        if self.unavailable_reason() is not None or self.major_version() not in (1, 2):
             return None
         if self._core is None:
-            from .sage import Sage1Core
-            self._core = Sage1Core()
+            if self.major_version() == 1:
+                from .sage import Sage1Core
+                self._core = Sage1Core()
+            else:
+                from .sage2 import Sage2Core
+                self._core = Sage2Core()
         return self._core
 
     def unavailable_reason(self):
@@ -209,19 +213,20 @@ class SageBackend(AttentionBackend):
         return self._major
 
     def cannot_take(self, q, k, v, mask, softmax_scale):
-        if mask is not None:
-            return "it takes no attention mask here"
+        major = self.major_version()
+        if mask is not None and major != 2:
+            return "SageAttention 1 takes no attention mask" if major == 1 else "it takes no attention mask here"
         dim = q.shape[-1]
-        if self.major_version() >= 2:
-            if dim > 128:
-                return f"head dim {dim} is over 128"
-        elif dim not in (64, 128):
-            return f"head dim {dim} is not 64 or 128 (SageAttention 1's staged kernels)"
+        if dim not in (64, 128):
+            return f"head dim {dim} is not 64 or 128 (the staged kernels)"
         return _cuda_half(q)
 
     def attend(self, q, k, v, mask=None, softmax_scale=None):
-        from sageattention import sageattn
-        return sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=softmax_scale)
+        import sageattention
+        if mask is not None:   # SageAttention 2's Triton kernel, the one that takes masks
+            return sageattention.sageattn_qk_int8_pv_fp16_triton(q, k, v, tensor_layout="NHD", attn_mask=mask,
+                                                                 sm_scale=softmax_scale)
+        return sageattention.sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=softmax_scale)
 
 
 class StagedCore:
@@ -229,14 +234,18 @@ class StagedCore:
 
     The runtime calls `staged_quantize_v`, then `staged_quantize_k`, then `staged_quantize_q`, each with a
     one-element list it hands off (the core clears it and keeps only the quantized form), then
-    `staged_attention(out, quantized, settings, mask=None, return_lse=False)` which writes the attention
-    into `out` `(batch, q_tokens, heads, head_dim)` (a strided view of the full output). `settings` comes from
-    `settings(q_shape, k_shape, dtype, device, softmax_scale)`. GPU issues register implementations.
+    `staged_attention(out, quantized, settings, mask=None)` which writes the attention into `out`
+    `(batch, q_tokens, heads, head_dim)` (a strided view of the full output). `settings` comes from
+    `settings(q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None)`: `masked`
+    says a mask will come to `staged_attention`; `native_prefix` is the group's heads of a native prefix
+    (`prefix_heads`), attended by the core in a pass of its own. Implementations: `sage.Sage1Core`,
+    `sage2.Sage2Core`.
     """
 
     name = "staged"
 
-    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None):  # pragma: no cover
+    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False,
+                 native_prefix=None):  # pragma: no cover
         raise NotImplementedError
 
     def staged_quantize_v(self, v_list, settings):  # pragma: no cover
@@ -248,8 +257,20 @@ class StagedCore:
     def staged_quantize_q(self, q_list, settings):  # pragma: no cover
         raise NotImplementedError
 
-    def staged_attention(self, out, quantized, settings, mask=None, return_lse=False):  # pragma: no cover
+    def staged_attention(self, out, quantized, settings, mask=None):  # pragma: no cover
         raise NotImplementedError
+
+    def prefix_heads(self, prefix, heads: range):
+        """The key/value heads `heads` of a native prefix in this core's layout (views), for `settings`."""
+        raise ValueError(f"the {self.name} core keeps no native prefixes: cache the prefix with native=False (q8)")
+
+
+def native_prefix_kit() -> Optional[StagedCore]:
+    """The staged core that keeps native prefixes here (`cache_prefix(..., kit=native_prefix_kit())`): SageAttention
+    2's when it is installed, else None (prefixes are then cached as q8)."""
+    backend = _REGISTRY.get("sage")
+    core = backend.staged_core if backend is not None else None
+    return core if core is not None and hasattr(core, "cache_native_prefix") else None
 
 
 _REGISTRY: dict[str, AttentionBackend] = {}

@@ -51,6 +51,10 @@ class GroupLoop:
         self.streams, self.o, self.norm_rope, self.backend, self.kept_keys = streams, o, norm_rope, backend, kept_keys
         s = streams
         self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
+        prefix = o.kv_prefix
+        # a native prefix (a staged core's layout) is attended by the core in a pass of its own, never joined
+        self.native_prefix = prefix if isinstance(prefix, KVPrefix) and prefix.is_native else None
+        self.joined_prefix = None if self.native_prefix is not None else prefix
 
     def empty_output(self) -> torch.Tensor:
         """A new, uninitialized output `(B, q tokens, heads, D)` in the inputs' dtype and device."""
@@ -101,7 +105,7 @@ class GroupLoop:
         k, v = self.streams.project_v(group, last, k_later)
         if self.o.norm_v is not None:
             self.o.norm_v(v, group)
-        v = join_prefix(self.o.kv_prefix, "v", v, group.kv, self.streams.batch)
+        v = join_prefix(self.joined_prefix, "v", v, group.kv, self.streams.batch)
         return k, v
 
     def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool,
@@ -121,14 +125,14 @@ class GroupLoop:
             k, v = self.values(group, last, k_later=False)
             if norm is not None:
                 norm(None, k, group)
-            k = join_prefix(o.kv_prefix, "k", k, group.kv, s.batch)
+            k = join_prefix(self.joined_prefix, "k", k, group.kv, s.batch)
         else:
             k = self.kept_keys.pop(group.kv.start, None)
             if k is None:
                 k = s.project_k(group, last, v_later=True)
             if norm is not None:
                 norm(None, k, group)
-            k = join_prefix(o.kv_prefix, "k", k, group.kv, s.batch)
+            k = join_prefix(self.joined_prefix, "k", k, group.kv, s.batch)
             _, v = self.values(group, last, k_later=False)
         extra = s.project("extra", group.q, last) if "extra" in s.q_streams[0].proj else None
         if o.attention_fn is not None:
@@ -152,14 +156,13 @@ class GroupLoop:
         mask = o.attention_mask
         callable_mask = mask is not None and not torch.is_tensor(mask)
         fused = o.fused_quant if not callable_mask else None
-        prefix = o.kv_prefix
-        if isinstance(prefix, KVPrefix) and prefix.is_native:
-            raise NotImplementedError("native prefixes are attended by the SageAttention staged cores (GPU issue)")
+        prefix, native = self.joined_prefix, self.native_prefix
         # v is quantized before k is projected (unless one module made both): one of them in 16 bits at a time
         k, v = self.values(group, last, k_later=True)
         settings = core.settings((s.batch, s.q_tokens, len(group.q), s.head_dim),
                                  (s.batch, prefix_tokens(prefix) + s.kv_tokens, len(group.kv), s.head_dim),
-                                 v.dtype, v.device, o.softmax_scale)
+                                 v.dtype, v.device, o.softmax_scale, masked=mask is not None,
+                                 native_prefix=None if native is None else core.prefix_heads(native, group.kv))
         quantized_v = core.staged_quantize_v([v], settings)
         del v
         if k is None:

@@ -50,7 +50,10 @@ class Sage1Core(StagedCore):
 
     name = "sage1"
 
-    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None):
+    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None):
+        if masked or native_prefix is not None:
+            raise ValueError("SageAttention 1 takes no mask and keeps no native prefix: pass a tensor mask (the "
+                             "call goes to SDPA), cache prefixes with native=False (q8), or install SageAttention 2")
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q_shape[-1])
         return SimpleNamespace(q_shape=tuple(q_shape), k_shape=tuple(k_shape), dtype=dtype, device=device,
                                scale=scale)
@@ -75,12 +78,12 @@ class Sage1Core(StagedCore):
         q_list.clear()
         return quantize_blocks(q, Q_BLOCK, settings.scale * LOG2E)
 
-    def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None, return_lse=False) -> None:
+    def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None) -> None:
         """The attention of the quantized q, k and fp16 v, written into `out` `(B, Nq, heads, D)` (a strided view of
         the call's output: the group's heads)."""
-        if mask is not None or return_lse:
-            raise ValueError("SageAttention 1 takes no mask and gives no log-sum-exp: the runtime sends such "
-                             "calls to SDPA (use attention_backend sdpa, or SageAttention 2)")
+        if mask is not None:
+            raise ValueError("SageAttention 1 takes no mask: the runtime sends such calls to SDPA (use "
+                             "attention_backend sdpa, or SageAttention 2)")
         (q, q_scale), (k, k_scale), v = quantized
         _, attend = _sage1_kernels()
         batch, q_tokens, heads, dim = q.shape

@@ -27,7 +27,7 @@ class FakeCore(qc.StagedCore):
         self.settings_calls = []
         self.masks = []
 
-    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None):
+    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None):
         self.settings_calls.append((tuple(q_shape), tuple(k_shape), dtype))
         return {"scale": softmax_scale}
 
@@ -47,7 +47,7 @@ class FakeCore(qc.StagedCore):
     def staged_quantize_q(self, q_list, settings):
         return self._quantize("q", q_list)
 
-    def staged_attention(self, out, quantized, settings, mask=None, return_lse=False):
+    def staged_attention(self, out, quantized, settings, mask=None):
         (_, wq, q), (_, wk, k), (_, wv, v) = quantized
         assert (wq, wk, wv) == ("q", "k", "v")
         self.log.append("attention")
@@ -323,11 +323,54 @@ def test_kv_first_attention_staged(fake):
     assert max_rel_err(got, want) < TOL
 
 
-def test_native_prefix_not_attended_yet(fake):
-    """A native prefix needs the SageAttention cores' own pass (a GPU issue): the CPU seam says so."""
-    qp, kp, vp = make_qkv(FEAT, H, D, seed=33)
-    k = torch.zeros(1, 8, H, D, dtype=torch.int8)
-    prefix = qc.KVPrefix(k, torch.ones(1, 8, H, 1), torch.zeros(1, 1, H, D), k.clone(), torch.ones(1, 8, H, 1),
-                         None)
-    with pytest.raises(NotImplementedError, match="native prefixes are attended by the SageAttention staged cores"):
-        qc.qkv_attention([randn(1, 64, FEAT, seed=34)], qp, kp, vp, H, D, kv_prefix=prefix, force_attention=NAME)
+class NativeFakeCore(FakeCore):
+    """A core whose "native" prefix is the 16-bit keys/values in a `KVPrefix` (`k_mean` set to mark it native):
+    it attends them joined before the group's own keys, so the seam's result must equal a 16-bit prefix's."""
+    name = "fake-native-core"
+
+    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None):
+        self.settings_calls.append((tuple(q_shape), tuple(k_shape), native_prefix))
+        return {"scale": softmax_scale, "prefix": native_prefix}
+
+    def prefix_heads(self, prefix, heads):
+        h = slice(heads.start, heads.stop)
+        return qc.KVPrefix(prefix.k[:, :, h], None, prefix.k_mean[:, :, h], prefix.v[:, :, h], None, None)
+
+    def staged_attention(self, out, quantized, settings, mask=None):
+        (_, _, q), (_, _, k), (_, _, v) = quantized
+        prefix = settings["prefix"]
+        k, v = torch.cat([prefix.k.expand(k.shape[0], -1, -1, -1), k], 1), \
+            torch.cat([prefix.v.expand(v.shape[0], -1, -1, -1), v], 1)
+        self.log.append("attention")
+        out.copy_(F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 scale=settings["scale"]).transpose(1, 2))
+
+
+def test_native_prefix_goes_to_the_core_by_groups():
+    """A native prefix is never joined by the runtime: each group's settings carry the core's slice of its heads,
+    the keys' shape counts only the call's own tokens, and the core's pass gives the prefix's attention."""
+    log = []
+    core = NativeFakeCore(log)
+    backend = FakeBackend(core)
+    backend.name = "fake-native"
+    qc.register_backend(backend)
+    try:
+        qp, kp, vp = make_qkv(FEAT, H, D, seed=33)
+        x = randn(2, 4096, FEAT, seed=34)
+        pk, pv = randn(1, 40, H, D, seed=35), randn(1, 40, H, D, seed=36)
+        prefix = qc.KVPrefix(pk, None, torch.zeros(1, 1, H, D), pv, None, None)
+        got = qc.qkv_attention([x.clone()], qp, kp, vp, H, D, kv_prefix=prefix, force_attention="fake-native",
+                               head_split_level=3)
+        want = qc.qkv_attention([x.clone()], qp, kp, vp, H, D, kv_prefix=(pk, pv), force_attention="sdpa")
+        assert max_rel_err(got, want) < TOL
+        assert len(core.settings_calls) > 1   # split: one slice of the prefix per group
+        heads_seen = 0
+        for q_shape, k_shape, native in core.settings_calls:
+            assert k_shape[1] == 4096 and native.k.shape[2] == q_shape[2]
+            heads_seen += native.k.shape[2]
+        assert heads_seen == H
+        # a core without native prefixes says how to cache one it can read
+        with pytest.raises(ValueError, match="keeps no native prefixes: cache the prefix with native=False"):
+            qc.StagedCore().prefix_heads(prefix, range(0, 1))
+    finally:
+        qc.unregister_backend("fake-native")
