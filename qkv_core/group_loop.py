@@ -66,7 +66,8 @@ class GroupLoop:
         group without a staged core (the attention's own result is returned: no buffer beside it, no copy, unless
         its shape or dtype differ). `q_in_out`: every group's q is already in its heads of `out`."""
         single = len(groups) == 1 and staged is None
-        q_normed = q_in_out and staged is None and self.normalize_all_queries(out)
+        # a fused quantizer normalizes q itself
+        q_normed = q_in_out and (staged is None or self.o.fused_quant is None) and self.normalize_all_queries(out)
         s = self.streams
         with contextlib.ExitStack() as held:
             if staged is None and self.o.attention_fn is None and len(groups) > 1 and \
@@ -79,7 +80,7 @@ class GroupLoop:
         for index, group in enumerate(groups):
             last = index == len(groups) - 1
             if staged is not None:
-                self.attend_staged(staged, group, out, last)
+                self.attend_staged(staged, group, out, last, q_in_out, q_normed)
                 continue
             result = self.attend(group, out, last, q_in_out, q_normed)
             if single and tuple(result.shape) == self.output_shape and result.dtype == self.streams.dtype:
@@ -147,11 +148,14 @@ class GroupLoop:
             del q, k, v
         return result
 
-    def attend_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool) -> None:
+    def attend_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool, q_in_out: bool,
+                      q_normed: bool) -> None:
         """One group through a staged core, written into its heads of `out`: v, k and q are quantized as each
-        is projected (each handed to the core in a list it clears), so at most one of them exists in 16 bits. A
-        `fused_quant` normalizes, rotates and quantizes in one step where it can (not beside a prefix for k, nor
-        with a callable mask); a callable mask sees the normalized k, then gives the group's mask from q."""
+        is projected (each handed to the core in a list it clears), so at most one of them exists in 16 bits
+        (`q_in_out`: q is already in the group's heads of `out`, normalized there if `q_normed`; the core
+        quantizes that view before its kernel overwrites it). A `fused_quant` normalizes, rotates and quantizes
+        in one step where it can (not beside a prefix for k, nor with a callable mask); a callable mask sees the
+        normalized k, then gives the group's mask from q."""
         o, s = self.o, self.streams
         mask = o.attention_mask
         callable_mask = mask is not None and not torch.is_tensor(mask)
@@ -178,11 +182,11 @@ class GroupLoop:
                 mask(None, k, group)
             quantized_k = core.staged_quantize_k([k], settings)
         del k
-        q = s.project("q", group.q, last)
-        quantized_q = fused(q, None, group, core, settings) if fused is not None else None
+        q = out[:, :, group.q.start:group.q.stop] if q_in_out else s.project("q", group.q, last)
+        quantized_q = fused(q, None, group, core, settings) if fused is not None and not q_normed else None
         mask_of_group = group_mask(mask, s.heads, group)
         if quantized_q is None:
-            if self.norm_rope is not None:
+            if self.norm_rope is not None and not q_normed:
                 self.norm_rope(q, None, group)
             if callable_mask:
                 mask_of_group = mask(q, None, group)

@@ -130,10 +130,10 @@ class _Call:
             # one group, not staged: the attention's own result is returned (no buffer beside it, no copy)
             single = len(groups) == 1 and staged is None
             out = None if single else loop.empty_output()
-            # Split and not staged: every group's q is projected first, into the output buffer (each group's
-            # attention then overwrites its own q), so q costs no memory of its own and is projected once,
-            # also when a spanning norm needs its statistics before any group can be normalized.
-            q_in_out = len(groups) > 1 and staged is None
+            # Split: every group's q is projected first, into the output buffer (each group's attention then
+            # overwrites its own q; a staged core quantizes it first), so q costs no memory of its own and is
+            # projected once, also when a spanning norm needs its statistics before any group can be normalized.
+            q_in_out = len(groups) > 1
             if o.norm_spans_heads and len(groups) > 1:
                 q_ms, k_ms = mean_squares(s, groups, o.norm_stats, o.keep_keys, out if q_in_out else None,
                                           kept_keys, STATS_CHUNK_MULTIPLE)

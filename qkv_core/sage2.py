@@ -167,7 +167,7 @@ class Sage2Core(StagedCore):
         q_list.clear()
         if settings.kernel == "sageattn":
             return q, None, None
-        keep = q if settings.return_lse else None
+        keep = q.clone() if settings.return_lse else None   # q may be a view of the output
         if settings.kernel == "sm90":
             return (*quantize_per_thread(q, "q"), keep)
         return (*quantize_blocks(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)

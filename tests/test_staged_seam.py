@@ -152,6 +152,12 @@ def logged_layers(log, kv_heads=H, seed=1, shared=False):
 
 ORDER = ["project v", "quantize v", "project k", "norm k", "quantize k", "project q", "norm q", "quantize q",
          "attention"]
+# split: every group's q is projected first, into the output buffer, each quantized there before its attention
+ORDER_Q_IN_OUT = [e for e in ORDER if e != "project q"]
+
+
+def expected_order(groups):
+    return [ORDER] if groups == 1 else [["project q"] + ORDER_Q_IN_OUT] + [ORDER_Q_IN_OUT] * (groups - 1)
 
 
 @pytest.mark.parametrize("kv_heads,level", [(8, 0), (8, 3), (4, 2), (2, 1)])
@@ -165,7 +171,7 @@ def test_staged_order_and_results(fake, kv_heads, level):
     got = qc.qkv_attention([x], *logged, H, D, LoggedNorm(norm, log), kv_heads=kv_heads, head_split_level=level,
                            force_attention=NAME)
     groups = qc.group_count(kv_heads, 8192, level)
-    assert per_group(log, groups) == [ORDER] * groups
+    assert per_group(log, groups) == expected_order(groups)
     assert len(fake.lists) == 3 * groups and all(lst == [] for lst in fake.lists)
     assert max_rel_err(got, want) < TOL
     assert fake.settings_calls[0][:2] == ((16, 512, H // groups, D), (16, 512, kv_heads // groups, D))
@@ -233,9 +239,9 @@ def test_callable_mask(fake):
     assert max_rel_err(got, want) < TOL
     assert not fused_calls  # fused quantization is off with a callable mask
     assert calls == [(kind, range(2 * i, 2 * i + 2)) for i in range(4) for kind in ("key", "query")]
-    order = ["project v", "quantize v", "project k", "norm k", "mask k", "quantize k", "project q", "norm q",
-             "mask q", "quantize q", "attention"]
-    assert per_group(log, 4) == [order] * 4
+    order = ["project v", "quantize v", "project k", "norm k", "mask k", "quantize k", "norm q", "mask q",
+             "quantize q", "attention"]
+    assert per_group(log, 4) == [["project q"] + order] + [order] * 3   # q: projected first, into the output
     for i, m in enumerate(fake.masks):
         assert torch.equal(m, full[:, 2 * i:2 * i + 2])
 
@@ -273,8 +279,9 @@ def test_fused_quant(fake, returns, with_prefix):
     else:
         assert seen == [(w, range(i, i + 1)) for i in range(groups) for w in ("k", "q")]
         k_part = ["project k", "fused k"] + (["norm k", "quantize k"] if returns == "none" else [])
-    q_part = ["project q", "fused q"] + (["norm q", "quantize q"] if returns == "none" else [])
-    assert per_group(log, groups) == [["project v", "quantize v"] + k_part + q_part + ["attention"]] * groups
+    q_part = ["fused q"] + (["norm q", "quantize q"] if returns == "none" else [])
+    order = ["project v", "quantize v"] + k_part + q_part + ["attention"]
+    assert per_group(log, groups) == [["project q"] + order] + [order] * (groups - 1)  # q projected first
 
 
 def test_shared_kv_joint_and_cross_staged(fake):
@@ -287,8 +294,8 @@ def test_shared_kv_joint_and_cross_staged(fake):
     want = qc.qkv_attention([x], *plain, H, D, norm, kv_heads=4, norm_spans_heads=True, head_split_level=3,
                             force_attention="sdpa")
     assert max_rel_err(got, want) < TOL
-    # the shared module is projected once per group; its copy (v) is quantized first, then k, then q is projected
-    order = ["project k", "quantize v", "quantize k", "project q", "quantize q", "attention"]
+    # the shared module is projected once per group; its copy (v) is quantized first, then k, then q (in the output)
+    order = ["project k", "quantize v", "quantize k", "quantize q", "attention"]   # q: in the output already
     cuts = per_group(log, 4)
     assert cuts[1:] == [order] * 3
     assert cuts[0][-len(order) + 1:] == order[1:]  # (group 1 follows the mean-squares pass's projections)
