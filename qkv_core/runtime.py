@@ -135,7 +135,10 @@ class _Call:
             # projected once, also when a spanning norm needs its statistics before any group can be normalized.
             q_in_out = len(groups) > 1
             if o.norm_spans_heads and len(groups) > 1:
-                q_ms, k_ms = mean_squares(s, groups, o.norm_stats, o.keep_keys, out if q_in_out else None,
+                # kept keys would sit beside a staged call's small quantized groups and set its peak (Wan 720p
+                # at High on an H200: 2.56 x |x| with them, 2.26 without): a staged call projects k twice
+                keep_keys = None if staged is not None else o.keep_keys
+                q_ms, k_ms = mean_squares(s, groups, o.norm_stats, keep_keys, out if q_in_out else None,
                                           kept_keys, STATS_CHUNK_MULTIPLE)
                 groups = [g._replace(mean_squares=(q_ms, k_ms)) for g in groups]
                 del q_ms, k_ms

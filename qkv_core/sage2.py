@@ -137,15 +137,15 @@ class Sage2Core(StagedCore):
                                scale=scale, kernel=kernel, prefix=native_prefix, return_lse=return_lse)
 
     def staged_quantize_v(self, v_list: list, settings):
-        """sm90: fp8 per channel (`quantize_v_fp8`); Triton: fp16 (a new tensor for bf16; the list's is freed)."""
+        """`(values, scales)`: sm90: fp8 per channel (`quantize_v_fp8`); Triton: fp16 (a new tensor for bf16; the
+        list's is freed), no scales; "sageattn": v as it is."""
         if settings.kernel == "sm90":
             return quantize_v_fp8(v_list)
         v = v_list.pop()
-        if settings.kernel == "sageattn":
-            v_list.clear()
-            return v, None
         v_list.clear()
-        return v if v.dtype == torch.float16 else v.to(torch.float16)
+        if settings.kernel == "sageattn":
+            return v, None
+        return (v if v.dtype == torch.float16 else v.to(torch.float16)), None
 
     def staged_quantize_k(self, k_list: list, settings):
         """k smoothed in place (the runtime's own k) by its mean over the tokens, or by the native prefix's mean
