@@ -189,6 +189,11 @@ def make_norm_rope(layer: WanSelfAttentionLayer) -> Callable:
         if mean_squares is None and len(heads) * d != layer.dim:
             raise RuntimeError("a norm over all heads needs group.mean_squares when the heads are split")
         w = weight[heads.start * d:heads.stop * d].to(t.dtype).view(len(heads), d)
+        if t.is_cuda:   # the fused Triton pass the Wan adapter runs (nodes/attention.py), where it can
+            ms = mean_squares if mean_squares is not None else \
+                torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_().div_(layer.dim)
+            if qkv_core.kernels.norm_rope_(t, torch.rsqrt(ms + eps), w, freqs):
+                return
 
         def fn(part, a, b):
             f = part.float()

@@ -52,7 +52,10 @@ def env():
     import comfy.model_patcher
     if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
         pytest.skip("this ComfyUI has no Dynamic VRAM")
-    devices = comfy.model_management.get_all_torch_devices()
+    devices = [d for d in comfy.model_management.get_all_torch_devices() if d.type == "cuda"]
+    if not devices:
+        pytest.skip("ComfyUI was set up for the CPU in this process (another test did): run this file on its own")
+    devices = [d if d.index is not None else torch.device("cuda", torch.cuda.current_device()) for d in devices]
     headroom = getattr(comfy.cli_args.args, "vram_headroom", 0) or 0
     try:
         ready = control.init_devices((d.index, int(headroom * 1024 ** 3)) for d in devices)
