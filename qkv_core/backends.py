@@ -42,6 +42,11 @@ class AttentionBackend:
         """None when this call can run here, else the reason (mask, head dim, dtype, device)."""
         return None
 
+    def auto_declines(self, q, k, mask) -> Optional[str]:
+        """Why `auto` passes this backend by for a call it could take (it is still used when forced), or None.
+        `q`, `k`: anything with the call's `shape` `(batch, tokens, heads, head_dim)`, `dtype` and `device`."""
+        return None
+
     def attend(self, q, k, v, mask=None, softmax_scale=None) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
@@ -170,6 +175,13 @@ def _sage_version() -> Optional[str]:
         return None
 
 
+# `auto` runs SageAttention 2's staged core on calls of at least this many tokens (q or kv, per batch item): on an
+# H200, Qwen-Image 1328^2 with cfg (2 x 7,145 tokens) took 1.80x stock's time on it and ~1.0x on SDPA; Flux 2048^2
+# (16,896) took 1.00x on it, Wan 720p (75,600) 0.59x stock v0.33. Masked calls on Hopper: its Triton kernel takes
+# 249 ms where cuDNN takes 208 (75,600 tokens x 40 heads), so `auto` leaves them to SDPA there.
+SAGE2_AUTO_MIN_TOKENS = 16384
+
+
 class SageBackend(AttentionBackend):
     """SageAttention (1.x from PyPI or a user-built 2.x), CUDA fp16/bf16, head dims 64 and 128. The runtime's
     calls run its staged core (`sage.Sage1Core`, `sage2.Sage2Core`: its quantizers as each of v, k, q is handed
@@ -220,6 +232,17 @@ class SageBackend(AttentionBackend):
         if dim not in (64, 128):
             return f"head dim {dim} is not 64 or 128 (the staged kernels)"
         return _cuda_half(q)
+
+    def auto_declines(self, q, k, mask):
+        if self.major_version() != 2:
+            return None
+        if max(q.shape[1], k.shape[1]) < SAGE2_AUTO_MIN_TOKENS:
+            return (f"calls under {SAGE2_AUTO_MIN_TOKENS} tokens, where its quantization passes cost more than "
+                    f"they save")
+        device = torch.device(q.device)
+        if mask is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+            return "masked calls on Hopper (its Triton kernel, the one that takes masks, is slower than cuDNN's)"
+        return None
 
     def attend(self, q, k, v, mask=None, softmax_scale=None):
         import sageattention
@@ -390,6 +413,10 @@ def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Opt
         reason = backend.unavailable_reason() or backend.cannot_take(q, k, v, mask, softmax_scale)
         if reason is None and choice == AUTO and backend.measured_in_auto and not auto_measured(backend, q):
             continue   # slower than SDPA on this GPU (measured once)
+        declined = backend.auto_declines(q, k, mask) if reason is None and choice == AUTO else None
+        if declined is not None:
+            notice_once(f"auto-declines:{name}:{declined}", f"[Attention] auto: {name} is not used for {declined}")
+            continue
         if reason is None:
             return backend
         if choice != AUTO and name == choice:

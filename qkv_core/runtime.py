@@ -27,7 +27,7 @@ from .group_loop import GroupLoop
 from .head_split import HeadGroup, head_groups, split_plan
 from .notices import notice_once
 from .options import AttentionOptions
-from .prefix_join import resolve_prefix
+from .prefix_join import prefix_tokens, resolve_prefix
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
 from .validation import (require_projections, take_activation, unpack_stream, validate_call, validate_extras,
@@ -85,8 +85,10 @@ class _Call:
             self._backend_chosen = True
             if self.o.attention_fn is None:
                 s = self.streams
-                spec = SimpleNamespace(shape=(s.batch, 1, s.heads, s.head_dim), dtype=s.dtype, device=s.device)
-                kv_spec = SimpleNamespace(shape=(s.batch, 1, s.kv_heads, s.head_dim), dtype=s.dtype,
+                kv_tokens = prefix_tokens(self.o.kv_prefix) + s.kv_tokens
+                spec = SimpleNamespace(shape=(s.batch, s.q_tokens, s.heads, s.head_dim), dtype=s.dtype,
+                                       device=s.device)
+                kv_spec = SimpleNamespace(shape=(s.batch, kv_tokens, s.kv_heads, s.head_dim), dtype=s.dtype,
                                           device=s.device)
                 mask = self.o.attention_mask
                 tensor_mask = mask if torch.is_tensor(mask) else None

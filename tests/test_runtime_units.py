@@ -187,3 +187,38 @@ def test_auto_measures_a_backend_once_per_gpu_and_takes_the_faster(monkeypatch):
         assert backends.resolve_backend(cpu, cpu, cpu).name == "sdpa" and len(calls) == 4
     finally:
         backends.unregister_backend("measured-test")
+
+
+def test_auto_leaves_short_and_hopper_masked_calls_of_sageattention2_to_sdpa(monkeypatch):
+    """With SageAttention 2, `auto` runs its staged core on long calls only (at least SAGE2_AUTO_MIN_TOKENS tokens),
+    and on Hopper not for masked calls (its Triton kernel is slower than cuDNN there); forced, it takes them all.
+    Each decline is said once in the log."""
+    from types import SimpleNamespace
+    from qkv_core import backends
+
+    sage = backends.SageBackend()
+    monkeypatch.setattr(sage, "_major", 2)
+    monkeypatch.setattr(sage, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(backends, "_cuda_half", lambda q: None)
+    monkeypatch.setattr(backends.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY, sage=sage))
+    monkeypatch.setattr(backends, "_FALLBACK_ORDER", ["sage", "sdpa"])
+    cuda = torch.device("cuda")
+
+    def spec(tokens):
+        return SimpleNamespace(shape=(1, tokens, 8, 128), dtype=torch.bfloat16, device=cuda)
+
+    qc.reset_notices()
+    long_, short = spec(backends.SAGE2_AUTO_MIN_TOKENS), spec(backends.SAGE2_AUTO_MIN_TOKENS - 1)
+    assert backends.resolve_backend(long_, long_, long_).name == "sage"
+    assert backends.resolve_backend(short, short, short).name == "sdpa"
+    assert backends.resolve_backend(short, long_, long_).name == "sage"     # a long key/value sequence counts
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    assert backends.resolve_backend(long_, long_, long_, mask=mask).name == "sdpa"
+    assert backends.resolve_backend(short, short, short, force_attention="sage").name == "sage"
+    assert backends.resolve_backend(long_, long_, long_, mask=mask, force_attention="sage").name == "sage"
+    lines = qc.drain_notices()
+    assert sum("auto: sage is not used for calls under" in line for line in lines) == 1
+    assert sum("auto: sage is not used for masked calls on Hopper" in line for line in lines) == 1
+    monkeypatch.setattr(backends.torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert backends.resolve_backend(long_, long_, long_, mask=mask).name == "sage"   # Ada: its Triton kernel

@@ -54,7 +54,8 @@ def env():
         pytest.skip("this ComfyUI has no Dynamic VRAM")
     devices = [d for d in comfy.model_management.get_all_torch_devices() if d.type == "cuda"]
     if not devices:
-        pytest.skip("ComfyUI was set up for the CPU in this process (another test did): run this file on its own")
+        pytest.skip("ComfyUI was set up for the CPU in this process: tests/comfy_env.py does so unless "
+                    "COMFY_ENV_GPU=1")
     devices = [d if d.index is not None else torch.device("cuda", torch.cuda.current_device()) for d in devices]
     headroom = getattr(comfy.cli_args.args, "vram_headroom", 0) or 0
     try:
