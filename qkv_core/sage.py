@@ -31,10 +31,12 @@ def _sage1_kernels():
     return quant_per_block_int8_kernel, _attn_fwd
 
 
-def quantize_blocks(x: torch.Tensor, block: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """SageAttention 1's int8 quantization of `x` `(B, N, H, D)` (strided but for the last dim) by blocks of
-    `block` tokens of each head, `scale` folded in: (int8 `(B, N, H, D)`, float32 scales `(B, H, blocks, 1)`)."""
-    quantize, _ = _sage1_kernels()
+def quantize_blocks(x: torch.Tensor, block: int, scale: float, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SageAttention's int8 quantization of `x` `(B, N, H, D)` (strided but for the last dim) by blocks of
+    `block` tokens of each head, `scale` folded in: (int8 `(B, N, H, D)`, float32 scales `(B, H, blocks, 1)`).
+    `kernel`: its `quant_per_block_int8_kernel` (SageAttention 2's Triton one has the same arguments; default
+    SageAttention 1's)."""
+    quantize = kernel if kernel is not None else _sage1_kernels()[0]
     batch, tokens, heads, dim = x.shape
     values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     blocks = -(-tokens // block)

@@ -32,6 +32,7 @@ import torch
 
 from .backends import StagedCore
 from .prefix import KVPrefix
+from .sage import quantize_blocks
 
 LOG2E = 1.44269504
 # the sm90 kernel's tiles (CTA_Q query rows, WARP_Q per warp, CTA_K keys) and its per-thread scale counts
@@ -78,21 +79,6 @@ def quantize_per_thread(x: torch.Tensor, which: str) -> tuple[torch.Tensor, torc
     kernel[(count, heads, batch)](x, values, scales, tokens, x.stride(0), x.stride(2), x.stride(1),
                                   values.stride(0), values.stride(2), values.stride(1),
                                   scales.stride(0), scales.stride(1), C=dim, BLK=block)
-    return values, scales
-
-
-def quantize_blocks(x: torch.Tensor, block: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel's int8 by blocks of `block` tokens, `scale` folded in: (int8 `(B, N, H, D)`, float32
-    scales `(B, H, blocks)`)."""
-    from sageattention.triton.quant_per_block import quant_per_block_int8_kernel
-    batch, tokens, heads, dim = x.shape
-    values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-    blocks = _ceil(tokens, block)
-    scales = torch.empty((batch, heads, blocks), dtype=torch.float32, device=x.device)
-    quant_per_block_int8_kernel[(blocks, heads, batch)](
-        x, values, scales, tokens, x.stride(0), x.stride(2), x.stride(1),
-        values.stride(0), values.stride(2), values.stride(1), scales.stride(0), scales.stride(1),
-        sm_scale=scale, C=dim, BLK=block)
     return values, scales
 
 
@@ -158,7 +144,7 @@ class Sage2Core(StagedCore):
         k -= mean
         if settings.kernel == "sm90":
             return (*quantize_per_thread(k, "k"), mean)
-        return (*quantize_blocks(k, TRITON_K_BLOCK, 1.0), mean)
+        return (*_triton_quantize(k, TRITON_K_BLOCK, 1.0), mean)
 
     def staged_quantize_q(self, q_list: list, settings):
         """q int8: `(values, scales, q16)`; `q16` is q itself, kept only when the natural-log LSE is asked for
@@ -170,7 +156,7 @@ class Sage2Core(StagedCore):
         keep = q.clone() if settings.return_lse else None   # q may be a view of the output
         if settings.kernel == "sm90":
             return (*quantize_per_thread(q, "q"), keep)
-        return (*quantize_blocks(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
+        return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
 
     def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None):
         """The attention of the quantized q, k, v written into `out` `(B, Nq, heads, D)` (a strided view of the
@@ -221,6 +207,13 @@ class Sage2Core(StagedCore):
         del key
         v, v_scale = quantize_v_fp8([value])
         return KVPrefix(k, k_scale, mean, v, v_scale, None)
+
+
+def _triton_quantize(x: torch.Tensor, block: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel's int8 by blocks of `block` tokens, `scale` folded in (`sage.quantize_blocks` with
+    SageAttention 2's quantizer)."""
+    from sageattention.triton.quant_per_block import quant_per_block_int8_kernel
+    return quantize_blocks(x, block, scale, quant_per_block_int8_kernel)
 
 
 def _sm90_attention(out, q, q_scale, k, k_scale, v, v_scale, scale, lse: bool) -> Optional[torch.Tensor]:
