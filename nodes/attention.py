@@ -409,6 +409,23 @@ class SpanningNormRope:
         if key is not None:
             self._apply_(key, 1, group.kv, group)
 
+    def fused_quant(self, query, key, group, core, settings):
+        """The runtime's `fused_quant`: a group's q normalized, rotated and quantized in one pass by the staged
+        core (`core.norm_rope_quantize_q`, SageAttention 2 on sm90), for one stream whose q norm is an RMSNorm
+        over all heads from the statistics pass, with pair RoPE (Wan); None otherwise, and always for k (its
+        smoothing needs the mean of the normalized keys first), and the runtime's own steps run."""
+        fuse = getattr(core, "norm_rope_quantize_q", None)
+        if query is None or fuse is None or group.mean_squares is None or len(self.ranges) != 1:
+            return None
+        start, stop, norm, _ = self.ranges[0]
+        freqs = self.freqs[0]
+        if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
+                (freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1)):
+            return None
+        inverse = self._inverse((0, 0), norm, group.mean_squares[0])
+        weight = self._weight((0, 0), norm, query, group.q)
+        return fuse(query, inverse, weight, freqs, settings)
+
 
 def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Pair-RoPE frequencies in the heads-first layout `(B, 1, N, D/2, 2, 2)` (Flux's `pe`) as the runtime's
@@ -466,6 +483,8 @@ def _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options: dict, ke
     norm_rope = SpanningNormRope(ranges, heads, head_dim, freqs, rope=form.rope, key_freqs=key_freqs)
     if norm_rope.spans_heads:
         options.update(norm_spans_heads=True, keep_keys=keep_keys)
+        if "attention_fn" not in options:   # a staged core may quantize q in the norm's pass
+            options["fused_quant"] = norm_rope.fused_quant
     return norm_rope
 
 

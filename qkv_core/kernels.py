@@ -30,13 +30,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, tokens, head_eps, split,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, q_ptr, s_ptr, tokens, head_eps, split,
                           stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft, stride_wh,
+                          stride_qb, stride_qt, stride_qh, stride_sb, stride_sh,
                           HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_W2: tl.constexpr, HAS_F: tl.constexpr,
-                          HEAD_NORM: tl.constexpr):
+                          HEAD_NORM: tl.constexpr, QUANT: tl.constexpr):
         # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
-        # are read once and serve all its heads; each head's channels are one contiguous row
+        # are read once and serve all its heads; each head's channels are one contiguous row. QUANT: instead of
+        # writing x back, int8 into q_ptr with one float32 scale per pair of rows (r, r + 8) of each 16 rows
+        # into s_ptr (SageAttention 2's per-thread q layout: BLOCK_T is a multiple of 16)
         block, batch = tl.program_id(0), tl.program_id(1)
         t = block * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.arange(0, DIM)
@@ -70,7 +73,21 @@ if triton is not None:
                 even = tl.reshape(tl.join(even, even), (BLOCK_T, DIM))   # x[2 i] under channels 2 i, 2 i + 1
                 odd = tl.reshape(tl.join(odd, odd), (BLOCK_T, DIM))
                 x = f_even * even + f_odd * odd
-            tl.store(ptrs, x.to(raw.dtype), mask=mask)
+            if QUANT:
+                # the rounded values the unfused passes would store, then SageAttention 2's arithmetic
+                x = x.to(raw.dtype).to(tl.float32)
+                row_max = tl.max(tl.abs(x), axis=1)
+                scale = tl.max(tl.reshape(row_max, (BLOCK_T // 16, 2, 8)), axis=1) / 127. + 0.0000001
+                row_scale = tl.reshape(tl.broadcast_to(tl.reshape(scale, (BLOCK_T // 16, 1, 8)),
+                                                       (BLOCK_T // 16, 2, 8)), (BLOCK_T,))
+                x = x / row_scale[:, None]
+                x += 0.5 * tl.where(x >= 0, 1, -1)
+                tl.store(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + c[None, :],
+                         x.to(tl.int8), mask=mask)
+                tl.store(s_ptr + batch * stride_sb + head * stride_sh + block * (BLOCK_T // 2)
+                         + tl.arange(0, BLOCK_T // 2), tl.reshape(scale, (BLOCK_T // 2,)))
+            else:
+                tl.store(ptrs, x.to(raw.dtype), mask=mask)
 
     @triton.jit
     def _dequantize_q8_kernel(v_ptr, s_ptr, o_ptr, tokens,
@@ -147,14 +164,35 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     return True
 
 
+def norm_rope_quantize_per_thread(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
+                                  weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None
+                                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """`norm_rope_`'s norm and rotation of q `(B, N, h, D)` (not changed), then int8 in SageAttention 2's
+    per-thread q layout, in one pass: (int8 `(B, N, h, D)`, float32 scales `(B, h, ceil(N / 64) * 32)`: one per
+    rows r and r + 8 of each 16 rows, max |x| / 127 + 1e-7), the values and scales its own quantizer gives for
+    the normalized q. None when the kernel cannot take the call."""
+    values = torch.empty(t.shape, dtype=torch.int8, device=t.device)
+    windows = -(-t.shape[1] // PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // 2
+    scales = torch.empty((t.shape[0], t.shape[2], windows), dtype=torch.float32, device=t.device)
+    launch = norm_rope_launch(t, inverse_rms, weight, freqs, quantize_into=(values, scales))
+    if launch is None:
+        return None
+    launch()
+    return values, scales
+
+
+PER_THREAD_Q_TILE = 64   # SageAttention 2's sm90 q tile: its scales cover whole tiles
+
+
 def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
                      weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
                      head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
-                     split: Optional[int] = None):
+                     split: Optional[int] = None, quantize_into: Optional[tuple] = None):
     """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
     kernel cannot take the call. A caller with several passes checks that every one can run before it runs
     any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
-    instead: two adjacent streams whose norms differ only by their weights, in one pass."""
+    instead: two adjacent streams whose norms differ only by their weights, in one pass. `quantize_into`:
+    `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`)."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
         return None
     batch, tokens, heads, dim = t.shape
@@ -187,14 +225,24 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
             f = f.contiguous()
     block_t = max(1, 2048 // dim)
     grid = (triton.cdiv(tokens, block_t), batch)
-    args = (t, inv, w, w2, f, tokens, 0.0 if head_norm_eps is None else float(head_norm_eps),
+    values, scales = t, t
+    if quantize_into is not None:
+        values, scales = quantize_into
+        if dim > 128 or head_norm_eps is not None or weight2 is not None or values.stride(-1) != 1 or \
+                not scales.is_contiguous():
+            return None
+        block_t = 16   # one window of 16 rows a block: every scale of the padded tiles is written
+        grid = (triton.cdiv(tokens, PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // block_t, batch)
+    args = (t, inv, w, w2, f, values, scales, tokens, 0.0 if head_norm_eps is None else float(head_norm_eps),
             0 if split is None else int(split),
             t.stride(0), t.stride(1), t.stride(2),
             inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
             f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
-            dim if weight is not None and w.numel() == heads * dim else 0)
+            dim if weight is not None and w.numel() == heads * dim else 0,
+            values.stride(0), values.stride(1), values.stride(2), scales.stride(0), scales.stride(1))
     meta = dict(HEADS=heads, DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
-                HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None)
+                HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None,
+                QUANT=quantize_into is not None)
 
     def launch():
         _norm_rope_kernel[grid](*args, **meta)

@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from . import kernels
 from .backends import StagedCore
 from .prefix import KVPrefix
 from .sage import quantize_blocks
@@ -157,6 +158,16 @@ class Sage2Core(StagedCore):
         if settings.kernel == "sm90":
             return (*quantize_per_thread(q, "q"), keep)
         return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
+
+    def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings):
+        """`staged_quantize_q`'s result for q `(B, N, h, D)` before its norm and RoPE (`kernels.norm_rope_`'s
+        arguments; q is not changed), normalized, rotated and quantized in one pass: the sm90 kernel's per-thread
+        layout, bitwise what the three steps give. None where that pass does not apply (the caller then runs
+        them)."""
+        if settings.kernel != "sm90" or settings.return_lse:
+            return None
+        quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs)
+        return None if quantized is None else (*quantized, None)
 
     def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None):
         """The attention of the quantized q, k, v written into `out` `(B, Nq, heads, D)` (a strided view of the

@@ -193,3 +193,58 @@ def test_without_a_gpu_the_q8_kernels_decline():
     assert kernels.dequantize_q8_(torch.empty(1, 8, 2, 64), values, scales, q8.GROUP) is False
     out = torch.randn(1, 8, 2, 64)
     assert kernels.merge_lse_(out, torch.zeros(1, 2, 8), out.clone(), torch.zeros(1, 2, 8)) is False
+
+
+PER_THREAD = textwrap.dedent('''
+import torch
+from qkv_core import kernels
+assert kernels.INTERPRET and kernels.triton is not None
+g = torch.Generator().manual_seed(0)
+
+def per_thread(x):
+    """SageAttention 2's per-thread q quantization (sm90 kernel: rows r and r + 8 of each 16 share a scale,
+    tiles of 64 rows), in PyTorch: int8 (B, N, H, D) and float32 scales (B, H, tiles * 32)."""
+    b, n, h, d = x.shape
+    padded = -(-n // 64) * 64
+    f = torch.zeros(b, padded, h, d)
+    f[:, :n] = x.float()
+    w = f.view(b, padded // 16, 2, 8, h, d)
+    scale = w.abs().amax(dim=(2, 5)) / 127. + 0.0000001                  # (b, windows, 8, h)
+    q = w / scale[:, :, None, :, :, None]
+    q = q + 0.5 * torch.where(q >= 0, 1.0, -1.0)
+    return q.to(torch.int8).view(b, padded, h, d)[:, :n], scale.permute(0, 3, 1, 2).reshape(b, h, padded // 2)
+
+cases = 0
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens in (37, 64, 130):                       # a partial tile, one tile, a partial third tile
+        storage = torch.randn(2, tokens, 5, 64, generator=g).to(dtype)
+        view = storage[:, :, 1:4]                      # a head group of the output buffer, strided
+        before = storage.clone()
+        inv = torch.rand(2, tokens, 1, generator=g) + 0.5
+        weight = (torch.randn(3, 64, generator=g) * 0.2 + 1).to(dtype)
+        freqs = torch.randn(1, tokens, 1, 32, 2, 2, generator=g)
+        for args in ((inv, weight, freqs), (inv, weight, None), (None, None, freqs)):
+            normed = view.clone()
+            assert kernels.norm_rope_(normed, *args)
+            want_values, want_scales = per_thread(normed)
+            values, scales = kernels.norm_rope_quantize_per_thread(view, *args)
+            assert torch.equal(storage, before)          # q itself is not written
+            assert torch.equal(values, want_values), (dtype, tokens)
+            assert torch.equal(scales, want_scales), (dtype, tokens)
+            cases += 1
+# what it refuses: a head dim over 128 (the sm90 kernel's), a per-head norm
+assert kernels.norm_rope_quantize_per_thread(torch.randn(1, 16, 2, 256), torch.ones(1, 16, 1)) is None
+print("cases", cases)
+''')
+
+
+def test_norm_rope_quantize_per_thread_matches_the_two_passes_in_the_interpreter():
+    """Norm + RoPE + SageAttention 2's per-thread q quantization in one pass: bitwise the norm + RoPE pass
+    followed by that quantization (its arithmetic written in PyTorch), for strided head groups and partial
+    tiles."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PER_THREAD], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cases 18" in done.stdout

@@ -152,3 +152,23 @@ def test_native_prefix_kit_and_refusals():
     pk, pv = qkv(1, 64, 2, 96, seed=10)[1:]
     with pytest.raises(ValueError, match="head dim 64 or 128: cache it with native=False"):
         kit.cache_native_prefix([pk, pv])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the sm90 kernel's q layout")
+def test_fused_norm_rope_quantize_equals_sageattention_quantizer():
+    """One pass of norm + RoPE + per-thread int8 for a strided head group of q: bitwise the norm + RoPE pass
+    followed by SageAttention 2's own q quantizer."""
+    from qkv_core import kernels
+    from qkv_core.sage2 import quantize_per_thread
+    g = torch.Generator(device="cuda").manual_seed(11)
+    storage = torch.randn(1, 4000, 10, 128, device="cuda", generator=g).bfloat16()
+    view = storage[:, :, 1:9]
+    inv = torch.rand(1, 4000, 1, device="cuda", generator=g) + 0.5
+    weight = (torch.randn(8, 128, device="cuda", generator=g) * 0.2 + 1).bfloat16()
+    freqs = torch.randn(1, 4000, 1, 64, 2, 2, device="cuda", generator=g)
+    normed = view.clone()
+    assert kernels.norm_rope_(normed, inv, weight, freqs)
+    want_values, want_scales = quantize_per_thread(normed, "q")
+    values, scales = kernels.norm_rope_quantize_per_thread(view, inv, weight, freqs)
+    assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
