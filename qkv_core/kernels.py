@@ -170,7 +170,9 @@ def norm_rope_quantize_per_thread(t: torch.Tensor, inverse_rms: Optional[torch.T
     """`norm_rope_`'s norm and rotation of q `(B, N, h, D)` (not changed), then int8 in SageAttention 2's
     per-thread q layout, in one pass: (int8 `(B, N, h, D)`, float32 scales `(B, h, ceil(N / 64) * 32)`: one per
     rows r and r + 8 of each 16 rows, max |x| / 127 + 1e-7), the values and scales its own quantizer gives for
-    the normalized q. None when the kernel cannot take the call."""
+    the normalized q (bitwise in the interpreter; on a GPU the compiler may contract the rotation into an FMA
+    differently than in `norm_rope_`, so a rare value lands one int8 step apart). None when the kernel cannot
+    take the call."""
     values = torch.empty(t.shape, dtype=torch.int8, device=t.device)
     windows = -(-t.shape[1] // PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // 2
     scales = torch.empty((t.shape[0], t.shape[2], windows), dtype=torch.float32, device=t.device)
