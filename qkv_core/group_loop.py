@@ -22,6 +22,7 @@ import torch
 from .backends import AttentionBackend, SDPABackend, StagedCore, held_sdpa_order, pay_attention
 from .head_split import HeadGroup
 from .options import AttentionOptions
+from .capture import KVCapture
 from .prefix import KVPrefix
 from .prefix_join import join_prefix, prefix_tokens
 from .streams import CallStreams
@@ -47,8 +48,10 @@ class GroupLoop:
     key/value head, `(B, kv tokens, kv heads of the group, D)`, popped by their group."""
 
     def __init__(self, streams: CallStreams, o: AttentionOptions, norm_rope: Optional[Callable],
-                 backend: Optional[AttentionBackend], kept_keys: dict[int, torch.Tensor]):
+                 backend: Optional[AttentionBackend], kept_keys: dict[int, torch.Tensor],
+                 capture: Optional[KVCapture] = None):
         self.streams, self.o, self.norm_rope, self.backend, self.kept_keys = streams, o, norm_rope, backend, kept_keys
+        self.capture = capture   # `capture_kv`: each group's normalized keys and values of the range
         s = streams
         self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
         prefix = o.kv_prefix
@@ -106,8 +109,14 @@ class GroupLoop:
         k, v = self.streams.project_v(group, last, k_later)
         if self.o.norm_v is not None:
             self.o.norm_v(v, group)
+        if self.capture is not None:
+            self.capture.take("v", v, group)
         v = join_prefix(self.joined_prefix, "v", v, group.kv, self.streams.batch)
         return k, v
+
+    def capture_keys(self, k: torch.Tensor, group: HeadGroup) -> None:
+        if self.capture is not None:
+            self.capture.take("k", k, group)
 
     def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool,
                q_normed: bool = False) -> torch.Tensor:
@@ -126,6 +135,7 @@ class GroupLoop:
             k, v = self.values(group, last, k_later=False)
             if norm is not None:
                 norm(None, k, group)
+            self.capture_keys(k, group)
             k = join_prefix(self.joined_prefix, "k", k, group.kv, s.batch)
         else:
             k = self.kept_keys.pop(group.kv.start, None)
@@ -133,6 +143,7 @@ class GroupLoop:
                 k = s.project_k(group, last, v_later=True)
             if norm is not None:
                 norm(None, k, group)
+            self.capture_keys(k, group)
             k = join_prefix(self.joined_prefix, "k", k, group.kv, s.batch)
             _, v = self.values(group, last, k_later=False)
         extra = s.project("extra", group.q, last) if "extra" in s.q_streams[0].proj else None
@@ -172,11 +183,12 @@ class GroupLoop:
         if k is None:
             k = s.project_k(group, last, v_later=False)
         quantized_k = None
-        if fused is not None and prefix is None:
+        if fused is not None and prefix is None and self.capture is None:
             quantized_k = fused(None, k, group, core, settings)
         if quantized_k is None:
             if self.norm_rope is not None:
                 self.norm_rope(None, k, group)
+            self.capture_keys(k, group)   # before the core smooths or quantizes them in place
             k = join_prefix(prefix, "k", k, group.kv, s.batch)
             if callable_mask:
                 mask(None, k, group)

@@ -43,6 +43,9 @@ class AttentionOptions:
     keep_keys: Optional[float] = None
     # the fewest tokens (all batch items) that are split; default `head_split.SPLIT_FLOOR_TOKENS`
     split_floor_tokens: Optional[int] = None
+    # (layer, start, stop): the keys/values of key/value tokens [start, stop) stored into `layer` (a
+    # `PrefixLayer`) for later calls' `kv_prefix` (capture.py)
+    capture_kv: Optional[tuple] = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from .group_loop import GroupLoop
 from .head_split import HeadGroup, head_groups, split_plan
 from .notices import notice_once
 from .options import AttentionOptions
+from .capture import KVCapture
 from .prefix_join import prefix_tokens, resolve_prefix
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
@@ -128,7 +129,9 @@ class _Call:
         try:
             validate_native_prefix_core(o.kv_prefix, staged)
             s.prepare(len(groups))
-            loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys)
+            capture = None if o.capture_kv is None else \
+                KVCapture(o.capture_kv, s.batch, s.kv_heads, s.head_dim, s.dtype, s.device)
+            loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys, capture)
             # one group, not staged: the attention's own result is returned (no buffer beside it, no copy)
             single = len(groups) == 1 and staged is None
             out = None if single else loop.empty_output()
@@ -146,7 +149,10 @@ class _Call:
                 del q_ms, k_ms
             elif q_in_out:
                 s.project_q_into(out, groups)
-            return loop.run(groups, out, staged, q_in_out)
+            out = loop.run(groups, out, staged, q_in_out)
+            if capture is not None:   # a staged core that keeps native prefixes stores it in its own layout
+                capture.store(kit=staged if hasattr(staged, "cache_native_prefix") else None)
+            return out
         finally:
             kept_keys.clear()
             s.release()

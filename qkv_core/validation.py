@@ -120,6 +120,26 @@ def validate_call(o: AttentionOptions, streams: CallStreams) -> None:
     if o.fused_quant is not None and o.attention_fn is not None:
         raise ValueError("fused_quant needs the staged quantizers, which attention_fn turns off: pass one "
                          "of them")
+    validate_capture(o, streams.kv_tokens)
+
+
+def validate_capture(o, kv_tokens: int) -> None:
+    """`capture_kv`: `(layer, start, stop)`, a layer with `store(k, v, kit=)` and a range inside the call's
+    key/value tokens; not beside a `kv_prefix`."""
+    capture = o.capture_kv
+    if capture is None:
+        return
+    if not (isinstance(capture, (tuple, list)) and len(capture) == 3 and hasattr(capture[0], "store") and
+            all(isinstance(i, int) and not isinstance(i, bool) for i in capture[1:])):
+        raise ValueError("capture_kv takes (layer, start, stop): a PrefixLayer (anything with store(k, v, kit=)) "
+                         "and the range of the call's key/value tokens to keep")
+    if o.kv_prefix is not None:
+        raise ValueError("capture_kv and kv_prefix together: capture on the pass that runs the whole sequence, "
+                         "attend the prefix on the passes that leave it out")
+    _, start, stop = capture
+    if not 0 <= start < stop <= kv_tokens:
+        raise ValueError(f"capture_kv range ({start}, {stop}) is not inside the {kv_tokens} key/value tokens of "
+                         f"the call")
 
 
 def validate_widths(streams: CallStreams) -> None:
