@@ -21,6 +21,7 @@ import torch
 from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, kernels, rows_
 from .comfy_ops import ComfyLinearRows, module_rows, norm_weight, rms_norm_rows
 from .dispatch import attention_kwargs
+from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 NORM_PER_HEAD = "per_head"
 NORM_SPANS_HEADS = "spans_heads"
@@ -472,6 +473,9 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
                                     rope=form.rope or ROPE_PAIRS)
     if kv_heads is not None and kv_heads != heads:
         options["kv_heads"] = kv_heads
+    references = transformer_options.get(REFERENCE_CACHE_KEY)
+    if references is not None:   # the reference cache's step: capture the references' keys, or attend them
+        options.update(references.attention_options(start, mask is not None))
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
 
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from ..qkv_core.notices import notice_once
+from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 CHECK_TOKENS = 256
 # Relative tolerance of the self-check, on the part of the output the module adds (see `compare`): float32
@@ -96,7 +97,10 @@ class _Reference:
 def probe_options(transformer_options: dict) -> dict:
     """A copy of `transformer_options` whose patch hooks are replaced by probes: each returns its input's
     `x` scaled by a factor of its own, so a forward that calls a hook gives a visibly different result, and
-    another node's hook never runs on check inputs."""
+    another node's hook never runs on check inputs. The reference cache's view of the call is left out: a check
+    neither fills nor reads a cache."""
+    if REFERENCE_CACHE_KEY in transformer_options:
+        transformer_options = {k: v for k, v in transformer_options.items() if k != REFERENCE_CACHE_KEY}
     patches = transformer_options.get("patches")
     if not patches:
         return transformer_options
