@@ -663,6 +663,20 @@ def run_families(argv) -> int:
     return module.main(rest + (["--device", known.device] if known.device else []))
 
 
+def run_references(argv) -> int:
+    """`--comfyui PATH --references ...`: reference images kept across steps on a Flux.2-shaped model
+    (benchmarks/reference_steps.py, whose options follow)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    _comfyui_option(pre)
+    pre.add_argument("--references", action="store_true")
+    pre.add_argument("--device", default=None)
+    known, rest = pre.parse_known_args(argv)
+    device = _device(known.device)
+    module, root, notes = load_pack_module("reference_steps", known.comfyui or None, device, list(known.comfy_flag))
+    print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
+    return module.main(rest + (["--device", known.device] if known.device else []))
+
+
 # ------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------
@@ -772,6 +786,8 @@ def main(argv=None) -> int:
         return run_whole_model(argv)
     if "--families" in argv:
         return run_families(argv)
+    if "--references" in argv:
+        return run_references(argv)
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)

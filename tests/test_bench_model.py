@@ -58,3 +58,19 @@ def test_a_tiny_whole_model_run(bench, tmp_path):
     assert [r["method"] for r in records] == ["stock", "pack"]
     assert all(r["fits"] and r["s_per_step"] > 0 for r in records)
     assert "x0.90" in records[1]["pack_memory_estimate"]
+
+
+def test_the_reference_benchmark_runs_a_tiny_flux2(capsys):
+    """`--references` (benchmarks/reference_steps.py) on a Flux2 of 2 heads, an 8 x 8 latent, one reference:
+    every row is there, the cached steps read the cache (the run asserts it) and q8 holds about half of 16-bit."""
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    steps = importlib.import_module(pack.__name__ + ".benchmarks.reference_steps")
+    assert steps.main(["--heads", "2", "--side", "8", "--double", "1", "--single", "1", "--refs", "1",
+                       "--repeats", "1", "--backend", "sdpa", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for row in ("| stock |", "| pack, no cache |", "| cache q8 vram: cached step |", "| cache q8 ram: cached step |",
+                "| cache 16-bit vram: cached step |"):
+        assert row in out
+    ratio = float(out.split("q8 / 16-bit bytes ")[1].split()[0])
+    assert 0.45 < ratio < 0.6
