@@ -192,3 +192,25 @@ def test_the_node_returns_a_patched_clone(env, base):
         assert len(out.get_wrappers(kind, env.cache.WRAPPER_KEY)) == 1 and not base.get_wrappers(kind,
                                                                                                  env.cache.WRAPPER_KEY)
     assert env.nodes.QKVReferenceCache.execute(base, False, 1, "vram", "q8").args[0] is base
+
+
+def test_qwen_image_edit_references_are_cached_too(env):
+    """Qwen-Image-Edit (its `ref_latents` joined after the image, `[text, image]` joint blocks): the same
+    definition check as Flux's, on the contract test's tiny model (2 x (4,096 + 1,024) tokens, split)."""
+    import comfy.model_management
+    import family_cases
+    torch = env.torch
+    case = family_cases.qwen_image()
+    inputs = case.inputs()
+    stock = forward(case.patcher, inputs)
+    cached, state = _cached(env, case.patcher, "16-bit", "vram", use_from_step=0)
+    try:
+        with state.run():
+            filled = forward(case.patcher, inputs, applied=cached, options=_step(torch, 0.5, cached))
+            used = forward(case.patcher, inputs, applied=cached, options=_step(torch, 0.5, cached))
+            (entry,) = state.entries.values()
+            assert entry.filled and not entry.refused
+        assert state.counts == {"fill": 1, "use": 1, "full": 0}
+        assert rel_err(filled, stock) < 1e-4 and rel_err(used, stock) < 1e-4
+    finally:
+        comfy.model_management.unload_all_models()
