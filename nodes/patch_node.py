@@ -29,11 +29,12 @@ class QKVPatch(io.ComfyNode):
                                        "Low 2.75, High 2.4 times its input). Short blocks (images of about "
                                        "1 MP) can run slower split."),
                 io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
-                               tooltip="auto: the best installed kernel (SageAttention 2, FlashAttention, "
-                                       "else PyTorch SDPA), or ComfyUI's dispatcher if another node set an "
-                                       "attention override. comfy: ComfyUI's own choice. A backend that is "
-                                       "missing or cannot take a call falls back to the next, said once in "
-                                       "the log."),
+                               tooltip="auto: the best installed kernel (SageAttention 2 on long calls, "
+                                       "FlashAttention, else PyTorch SDPA), or ComfyUI's dispatcher if you "
+                                       "chose a kernel with ComfyUI's flags or another node set an attention "
+                                       "override. sage: the pack's staged SageAttention (its kernel, far less "
+                                       "memory). comfy: ComfyUI's own choice. A backend that is missing or "
+                                       "cannot take a call falls back to the next, said once in the log."),
                 io.Boolean.Input("block_bounds", default=True,
                                  tooltip="Also bound the whole transformer block: the modulated input is freed "
                                          "once projected, the residual is updated in place, cross-attention "

@@ -8,6 +8,9 @@ That equals the model only where the references' keys/values do not change with 
 checkpoints are trained for it; for other models it is an approximation (the references see the noisy image in
 every block), said in the log.
 
+Other node packs can put a step-constant prefix of their own (history frames, identity references) into the same
+cache: a callable in `transformer_options[PROVIDER_KEY]` (README, "Your own step-constant keys and values").
+
 Pieces, one job each:
 - `ReferenceCache`: the node's settings and the per-run state. `run()` (the OUTER_SAMPLE wrapper) holds the
   caches of one sampling run and frees them when it ends, however it ends.
@@ -31,6 +34,10 @@ import torch
 from ..qkv_core import PrefixCache
 
 STATE_KEY = "qkv_reference_cache"
+# Other node packs' step-constant prefix: a callable `(position, transformer_options) -> (key, value) or None`
+# in transformer_options under this key gives the n-th joint attention's keys/values `(B or 1, tokens, kv_heads,
+# head_dim)`, normalized and rotated as that attention's keys are; asked once per run and conditioning
+PROVIDER_KEY = "qkv_step_constant_prefix"
 WRAPPER_KEY = "comfyui_qkv_reference_cache"
 STORAGE = ("vram", "ram")
 FORMATS = ("q8", "16-bit", "native")
@@ -52,9 +59,11 @@ def _fingerprint(latent: torch.Tensor) -> tuple:
 class CallView:
     """One model call's view of its cache entry, read by `attend` for each block's joint attention."""
 
-    def __init__(self, mode: str, cache: PrefixCache, fixed_tokens: int, reference_tokens: int):
-        self.mode, self.cache = mode, cache
+    def __init__(self, mode: str, cache: PrefixCache, fixed_tokens: int, reference_tokens: int, provider=None,
+                 transformer_options: Optional[dict] = None):
+        self.mode, self.cache = mode, cache   # mode: "fill", "use" or "provided" (`provider` gives the prefixes)
         self.fixed_tokens, self.reference_tokens = fixed_tokens, reference_tokens
+        self.provider, self.transformer_options = provider, transformer_options
         self.blocks_seen = 0   # the blocks run in order, one joint attention each: the n-th is layer n
         self.problem: Optional[str] = None
 
@@ -63,6 +72,8 @@ class CallView:
         `kv_tokens` tokens whose reference tokens, when present, are its last ones."""
         if self.problem is not None:
             return {}
+        if self.mode == "provided":
+            return self._provided(masked)
         expected = self.fixed_tokens + (self.reference_tokens if self.mode == "fill" else 0)
         if self.blocks_seen >= len(self.cache) or masked or kv_tokens != expected:
             self.problem = ("more joint attentions than blocks" if self.blocks_seen >= len(self.cache) else
@@ -73,6 +84,23 @@ class CallView:
         self.blocks_seen += 1
         if self.mode == "fill":
             return {"capture_kv": (layer, kv_tokens - self.reference_tokens, kv_tokens)}
+        return {"kv_prefix": layer}
+
+
+    def _provided(self, masked: bool) -> dict:
+        """The provider's prefix of this joint attention, asked for once a run and kept by the cache."""
+        if self.blocks_seen >= len(self.cache) or masked:
+            self.problem = "more joint attentions than blocks" if not masked else "a masked attention"
+            return {}
+        layer = self.cache[self.blocks_seen]
+        position = self.blocks_seen
+        self.blocks_seen += 1
+        if not layer.populated:
+            given = self.provider(position, self.transformer_options)
+            if given is None:
+                return {}
+            key, value = given
+            layer.store(key, value)   # quantized for q8 (and for native: the call may have no staged core)
         return {"kv_prefix": layer}
 
 
@@ -162,6 +190,9 @@ def diffusion_model_wrapper(state: ReferenceCache):
         options = bound.arguments.get("transformer_options") or {}
         x, context = bound.arguments.get("x"), bound.arguments.get("context")
         patch = getattr(model, "patch_size", None)
+        provider = options.get(PROVIDER_KEY)
+        if provider is not None:
+            return _with_provided_prefix(state, executor, bound, options, provider, refs, model, x)
         if not refs or not torch.is_tensor(x) or not torch.is_tensor(context) or not isinstance(patch, int):
             return executor(*args, **kwargs)
         blocks = block_count(model)
@@ -202,6 +233,29 @@ def diffusion_model_wrapper(state: ReferenceCache):
             _refuse(state, entry, view, blocks)
         return out
     return wrapper
+
+
+def _with_provided_prefix(state: ReferenceCache, executor, bound, options: dict, provider, refs, model, x):
+    """A call whose transformer_options carry another pack's step-constant prefix (`PROVIDER_KEY`): every block
+    attends it; the cache asks for it once per run and conditioning and keeps it as the node says."""
+    blocks = block_count(model)
+    if refs or not blocks or not torch.is_tensor(x):
+        state.counts["full"] += 1
+        state.say_once("a step-constant prefix beside reference latents (or in a model it does not know) is not "
+                       "attended: one prefix a call")
+        return executor(*bound.args, **bound.kwargs)
+    key = ("provided", tuple(options.get("cond_or_uncond") or ()), tuple(x.shape), id(provider))
+    entry = state.entries.setdefault(key, _Entry(state.new_cache(blocks, x.dtype)))
+    if entry.refused:
+        state.counts["full"] += 1
+        return executor(*bound.args, **bound.kwargs)
+    view = CallView("provided", entry.cache, 0, 0, provider, options)
+    state.counts["use"] += 1
+    out = _call(executor, bound, options, view)
+    if view.problem is not None or view.blocks_seen != blocks:
+        _refuse(state, entry, view, blocks)
+    entry.held = sum(layer.nbytes() for layer in entry.cache.layers)
+    return out
 
 
 def add_reference_cache(model, state: ReferenceCache):
