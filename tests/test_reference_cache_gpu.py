@@ -31,6 +31,9 @@ def _sage2() -> bool:
 
 @pytest.fixture(scope="module")
 def env():
+    import importlib.util
+    if importlib.util.find_spec("av") is None:   # GPU machines without PyAV: comfy_api's video types import it
+        comfy_env.install_stub("av")
     e = comfy_env.pack_modules()
     e.cache = importlib.import_module(e.pack.__name__ + ".nodes.reference_cache")
     return e
