@@ -31,12 +31,17 @@ def _sage2() -> bool:
 
 @pytest.fixture(scope="module")
 def env():
-    import importlib.util
-    if importlib.util.find_spec("av") is None:   # GPU machines without PyAV: comfy_api's video types import it
-        comfy_env.install_stub("av")
-    e = comfy_env.pack_modules()
-    e.cache = importlib.import_module(e.pack.__name__ + ".nodes.reference_cache")
-    return e
+    """The adapters and the cache inside the benchmark's package for the pack (as the other GPU tests load
+    them): `nodes/__init__.py` and its `comfy_api` (PyAV, pydantic, ...) are not needed on a bare GPU machine."""
+    from types import SimpleNamespace
+    from benchmarks import bench
+    root = comfy_env.find_comfyui()
+    if root is None:
+        pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
+    bench.load_comfyui_workload(str(root), torch.device("cuda"))
+    package = bench.PACK_PACKAGE
+    return SimpleNamespace(node=importlib.import_module(f"{package}.nodes.patching"),
+                           cache=importlib.import_module(f"{package}.nodes.reference_cache"))
 
 
 @pytest.fixture
