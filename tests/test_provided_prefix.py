@@ -8,26 +8,12 @@ import importlib
 
 import pytest
 
-import comfy_env
 from comfy_env import model_forward as forward, rel_err
-from test_reference_cache import _build, _step
+import test_reference_cache as reference_tests
 
 pytestmark = pytest.mark.comfyui
+env, base, _step = reference_tests.env, reference_tests.base, reference_tests._step   # the pack; a fresh tiny Flux
 TOKENS, HEADS, HEAD_DIM = 20, 4, 32
-
-
-@pytest.fixture(scope="module")
-def env():
-    e = comfy_env.pack_modules()
-    e.cache = importlib.import_module(e.pack.__name__ + ".nodes.reference_cache")
-    return e
-
-
-@pytest.fixture
-def base():
-    import comfy.model_management
-    yield _build()
-    comfy.model_management.unload_all_models()
 
 
 def _inputs(torch):
