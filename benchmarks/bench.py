@@ -46,6 +46,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 import types
 from dataclasses import dataclass, field
@@ -271,7 +272,9 @@ class Workload:
     label: Optional[str] = None       # when set, the head of every table starts with it
     default_levels = "off,low,medium,high"
     default_cpu_scale = DEFAULT_CPU_SCALE
-    default_cpu_threads: Optional[int] = None   # None: torch's
+    # one torch thread on CPU, the docs' measured setting: 2 threads on a 2-core machine shared with other jobs ran
+    # the many-small-ops paths 1.5-6x slower (OpenMP threads waiting on each other); --threads N overrides
+    default_cpu_threads: Optional[int] = 1
 
     def scaled(self, scale: float):
         return contextlib.nullcontext()
@@ -479,19 +482,21 @@ def _pyplot():
 def plot(results: list, path: str, title: str) -> None:
     plt = _pyplot()
     methods = [row["method"] for row in results[0]["rows"]]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
     width = 0.8 / max(1, len(results))
-    for ax, key, label in ((axes[0], "peak_x", "peak working set (x |x|)"), (axes[1], "time_s", "time (ms)")):
+    for ax, key, label in ((axes[0], "peak_x", "peak working set, x |x| (lower is better)"),
+                           (axes[1], "time_s", "time, ms (lower is better)")):
         for index, result in enumerate(results):
             values = [row[key] * (1e3 if key == "time_s" else 1) for row in result["rows"]]
             positions = [m + (index - (len(results) - 1) / 2) * width for m in range(len(methods))]
             bars = ax.bar(positions, values, width, label=result["case"] if result["case"].endswith(" tokens")
                           else f"{result['case']} ({result['tokens']:,} tokens)")
             ax.bar_label(bars, fmt="%.2f" if key == "peak_x" else "%.0f", fontsize=7)
-        ax.set_xticks(range(len(methods)), methods, rotation=20, ha="right", fontsize=8)
+        ax.set_xticks(range(len(methods)), methods, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(label)
+        ax.margins(y=0.25)   # room for the bar labels and the legend above the tallest bars
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -731,8 +736,9 @@ def parse_args(argv=None):
                              "with --comfyui 32); "
                              "the runtime's token-count thresholds are scaled alike")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU: torch threads (default: torch's; with --comfyui 1). On a machine shared with other jobs, 1 "
-                             "avoids OpenMP threads waiting on each other, which swamps paths of many small ops")
+                        help="CPU: torch threads (default 1, as the docs measured). On a machine shared with other "
+                             "jobs, 1 avoids OpenMP threads waiting on each other, which swamps paths of many small "
+                             "ops")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print machine-readable results instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", default=None, help="bar chart of peak and time (matplotlib)")

@@ -286,7 +286,6 @@ def make_workload(bench):
         name = "comfyui-wan-block"
         default_levels = "high"
         default_cpu_scale = 32    # a whole block (several times the self-attention's work) in minutes on 2 cores
-        default_cpu_threads = 1   # 2 threads on a shared 2-core machine ran the block 1.5-6x slower
 
         def __init__(self):
             self.version = comfyui_version()
