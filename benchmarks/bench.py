@@ -654,32 +654,30 @@ def run_whole_model(argv) -> int:
     print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
     return module.main(rest + (["--device", known.device] if known.device else []))
 
-def run_families(argv) -> int:
-    """`--comfyui PATH --families ...`: one block of each adapted family, stock vs the pack
-    (benchmarks/family_blocks.py, whose options follow)."""
+def _run_pack_module(argv, flag: str, name: str) -> int:
+    """`--comfyui PATH <flag> ...`: `benchmarks/<name>.py` loaded inside ComfyUI (`load_pack_module`), its
+    `main` given the remaining options."""
     pre = argparse.ArgumentParser(add_help=False)
     _comfyui_option(pre)
-    pre.add_argument("--families", action="store_true")
+    pre.add_argument(flag, action="store_true")
     pre.add_argument("--device", default=None)
     known, rest = pre.parse_known_args(argv)
     device = _device(known.device)
-    module, root, notes = load_pack_module("family_blocks", known.comfyui or None, device, list(known.comfy_flag))
+    module, root, notes = load_pack_module(name, known.comfyui or None, device, list(known.comfy_flag))
     print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
     return module.main(rest + (["--device", known.device] if known.device else []))
+
+
+def run_families(argv) -> int:
+    """`--comfyui PATH --families ...`: one block of each adapted family, stock vs the pack
+    (benchmarks/family_blocks.py, whose options follow)."""
+    return _run_pack_module(argv, "--families", "family_blocks")
 
 
 def run_references(argv) -> int:
     """`--comfyui PATH --references ...`: reference images kept across steps on a Flux.2-shaped model
     (benchmarks/reference_steps.py, whose options follow)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    _comfyui_option(pre)
-    pre.add_argument("--references", action="store_true")
-    pre.add_argument("--device", default=None)
-    known, rest = pre.parse_known_args(argv)
-    device = _device(known.device)
-    module, root, notes = load_pack_module("reference_steps", known.comfyui or None, device, list(known.comfy_flag))
-    print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
-    return module.main(rest + (["--device", known.device] if known.device else []))
+    return _run_pack_module(argv, "--references", "reference_steps")
 
 
 # ------------------------------------------------------------------------------------------------------

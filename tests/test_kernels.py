@@ -15,6 +15,17 @@ from qkv_core import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def run_in_interpreter(script: str) -> str:
+    """`script` in a child Python with TRITON_INTERPRET=1 (Triton reads it when the kernels are defined): its
+    stdout, after checking that it succeeded. Skips without Triton."""
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
 CHECK = textwrap.dedent("""
     import torch
     from qkv_core import kernels
@@ -58,12 +69,7 @@ CHECK = textwrap.dedent("""
 
 
 def test_norm_rope_kernel_matches_pytorch_in_the_interpreter():
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "cases 30" in done.stdout
+    assert "cases 30" in run_in_interpreter(CHECK)
 
 
 def test_without_a_gpu_or_the_interpreter_the_kernel_declines():
@@ -105,12 +111,7 @@ TWO_STREAMS = textwrap.dedent("""
 
 def test_norm_rope_kernel_two_streams_in_one_pass_in_the_interpreter():
     """Two adjacent streams, each with its own norm weight, in one launch: the numbers of one launch each."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", TWO_STREAMS], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "cases 6" in done.stdout
+    assert "cases 6" in run_in_interpreter(TWO_STREAMS)
 
 
 def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
@@ -177,12 +178,7 @@ print("cases", cases)
 def test_q8_and_merge_kernels_match_pytorch_in_the_interpreter():
     """`kernels.dequantize_q8_` (strided outputs, a batch-1 prefix for two items) and `kernels.merge_lse_` (queries
     that saw no key in one part) against `q8`'s PyTorch paths, float32 / fp16 / bf16."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", Q8_AND_MERGE], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "cases 15" in done.stdout
+    assert "cases 15" in run_in_interpreter(Q8_AND_MERGE)
 
 
 def test_without_a_gpu_the_q8_kernels_decline():
@@ -242,9 +238,4 @@ def test_norm_rope_quantize_per_thread_matches_the_two_passes_in_the_interpreter
     """Norm + RoPE + SageAttention 2's per-thread q quantization in one pass: bitwise the norm + RoPE pass
     followed by that quantization (its arithmetic written in PyTorch), for strided head groups and partial
     tiles."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", PER_THREAD], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "cases 18" in done.stdout
+    assert "cases 18" in run_in_interpreter(PER_THREAD)
