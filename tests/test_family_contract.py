@@ -137,13 +137,9 @@ def test_projections_are_row_sliceable_and_a_foreign_layer_is_named(env, family)
     assert reason is not None and name in reason, reason
 
 
-@pytest.mark.parametrize("family", sorted(family_cases.CASES))
-def test_fp8_weights_cast_per_call(env, family):
-    """The weight format most people load on 12-24 GB cards: an fp8 checkpoint computed in a wider dtype (every
-    Linear's weight stored as float8_e4m3fn, cast for each call by ComfyUI). Patched equals stock on the same
-    weights at High with block bounds, without a fallback, and the head split runs."""
-    case = family_cases.case(family)
-    assert comfy_env.fp8_cast_per_call_(case.patcher.model.diffusion_model) > 0
+def _equals_stock_and_splits(env, case, family):
+    """`case`'s weights as loaded: patched (High, block bounds) equals stock without a fallback, and the head
+    split runs (the self-attention sees the heads of one group)."""
     reference = _forward(case)
     patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", True)
     assert report.any_patched and not report.skipped_reasons, report.lines()
@@ -157,6 +153,16 @@ def test_fp8_weights_cast_per_call(env, family):
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_fp8_weights_cast_per_call(env, family):
+    """The weight format most people load on 12-24 GB cards: an fp8 checkpoint computed in a wider dtype (every
+    Linear's weight stored as float8_e4m3fn, cast for each call by ComfyUI). Patched equals stock on the same
+    weights at High with block bounds, without a fallback, and the head split runs."""
+    case = family_cases.case(family)
+    assert comfy_env.fp8_cast_per_call_(case.patcher.model.diffusion_model) > 0
+    _equals_stock_and_splits(env, case, family)
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
 def test_gguf_weights(env, family):
     """GGUF (Q8_0) weights through city96's ComfyUI-GGUF (its GGMLOps, each Linear dequantizing its own weight):
     patched equals stock on the same weights at High with block bounds, without a fallback, and the split runs.
@@ -166,13 +172,4 @@ def test_gguf_weights(env, family):
     gguf = gguf_env.as_gguf(case.patcher)
     assert gguf.gguf_keys
     case = case._replace(patcher=gguf)
-    reference = _forward(case)
-    patched, report = env.node.apply_patch(gguf, "High", "sdpa", True)
-    assert report.any_patched and not report.skipped_reasons, report.lines()
-    env.core.reset_notices()
-    with comfy_env.SdpaHeads(env.torch) as spy:
-        out = _forward(case, applied=patched)
-    assert not _fallbacks(env), family
-    assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
-    groups = env.core.group_count(case.kv_heads, 10**6, 3)
-    assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, spy.self_heads)
+    _equals_stock_and_splits(env, case, family)
