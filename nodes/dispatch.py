@@ -14,6 +14,7 @@ import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import backend_names, head_split, pay_attention, split_plan
 from ..qkv_core.notices import notice_once
+from ..qkv_core.tally import count_attention
 
 AUTO, COMFY = "auto", "comfy"
 
@@ -26,6 +27,11 @@ class QKVConfig(NamedTuple):
     backend: str
     block: bool
     split_floor: Optional[int] = None
+
+    def describe(self) -> str:
+        """As the run report names the settings: "High, block bounds, backend auto"."""
+        level = ("Off", "Low", "Medium", "High")[self.level]
+        return f"{level}, {'block bounds' if self.block else 'attention only'}, backend {self.backend}"
 
 
 def backend_choices() -> list[str]:
@@ -50,11 +56,19 @@ def uses_comfy_dispatch(config, transformer_options) -> bool:
         "optimized_attention_override" in transformer_options or comfy_kernel_chosen()))
 
 
+def comfy_kernel_label(transformer_options) -> str:
+    """What ComfyUI's dispatcher runs, as the run report names it."""
+    if "optimized_attention_override" in transformer_options:
+        return "comfy: another node's attention override"
+    return f"comfy: {getattr(comfy_attention.optimized_attention, '__name__', 'its attention')}"
+
+
 def comfy_attend(q, k, v, transformer_options, **dispatch_kwargs):
     """ComfyUI's `optimized_attention` on head-group tensors `(B, N, h, D)` -> `(B, N, h, D)`.
     `dispatch_kwargs` go to the dispatcher as the model passes them (`preferred_attention`,
     `low_precision_attention`)."""
     heads = q.shape[2]
+    count_attention(comfy_kernel_label(transformer_options))
     if k.shape[2] != heads:  # grouped-query: ComfyUI's dispatcher of this version wants equal heads
         k = k.repeat_interleave(heads // k.shape[2], dim=2)
         v = v.repeat_interleave(heads // v.shape[2], dim=2)
@@ -94,6 +108,7 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
                 call_kwargs["mask"] = group_mask(mask, group, heads)
             return comfy_attend(q, k, v, transformer_options, **dispatch, **call_kwargs)
         through_comfy.comfy_dispatch = True
+        through_comfy.counts_itself = True   # comfy_attend counts each kernel call
         return {"attention_fn": through_comfy, **floor}
     if mask is not None:   # 4-D, as the runtime takes it (it slices the heads per group)
         mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
@@ -120,9 +135,9 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
 
 def attention_splits(config, kv_heads: int, batch: int, tokens: int) -> bool:
     """Will a self-attention of `tokens` tokens per batch item (all streams joined) be split into head groups
-    (`qkv_core.split_plan`, as the runtime decides it for the call; a projection that cannot be computed by rows
-    may still keep it whole)?"""
-    return split_plan(kv_heads, batch * tokens, config.level, split_floor(config)).groups > 1
+    (`qkv_core.split_plan`, as the runtime decides it for the call, by the tokens of one item; a projection that
+    cannot be computed by rows may still keep it whole)? `batch` does not change the answer."""
+    return split_plan(kv_heads, tokens, config.level, split_floor(config)).groups > 1
 
 
 def split_floor(config) -> int:

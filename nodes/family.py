@@ -25,10 +25,35 @@ class MemoryFactors:
     measured: str   # where the numbers come from
 
 
+#: What the head groups hold of the q/k/v of every head, in multiples of |x| (divided among the groups): fitted on
+#: Wan's block at every level (CPU MemTracker, bf16, 16 heads: Off 4.50, Low 2.78, Medium 2.52, High 2.40 x |x|;
+#: with bounded_whole 2.05 the estimates are 4.50, 2.66, 2.36, 2.20, within 15% of every format's measurement).
+PER_GROUP = 2.45
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkingSet:
+    """The peak working set of the family's largest block above its live inputs and weights, in multiples of
+    |x| (the block's input activation: batch x tokens x width in the compute dtype), as the planner
+    (`nodes/planner.py`) estimates it before a run: ComfyUI's own block (`stock`), and the pack's with block
+    bounds, `bounded_whole + per_group / groups` (what stays whole through the attention: the output buffer,
+    the modulated input; plus a group's share of q, k and v). Measured with MemTracker on the CPU (bf16, 12,288
+    tokens, 16 heads, the family's own proportions: the adapters' memory tests check it within 15%)."""
+
+    stock: float
+    bounded_whole: float
+    measured: str
+    per_group: float = PER_GROUP
+
+    def bounded(self, groups: int) -> float:
+        return self.bounded_whole + self.per_group / max(1, groups)
+
+
 @runtime_checkable
 class FamilyAdapter(Protocol):
     FAMILY: str                      # the name the log and the report use ("Wan")
     MEMORY_FACTORS: MemoryFactors
+    WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""
@@ -50,17 +75,24 @@ class FamilyAdapter(Protocol):
     def splits_projections(self, diffusion_model) -> Optional[str]:
         """None when its q/k/v can be computed by rows (the head split can run), else why not."""
 
+    def block_kinds(self, diffusion_model) -> Sequence[str]:
+        """The keys of `WORKING_SETS` for the blocks this model has."""
+
 
 def check_adapter(adapter) -> None:
     """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for factors out of order."""
-    missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "matches", "patch", "stock_functions",
-                                 "tokens_per_item", "kv_heads", "splits_projections") if not hasattr(adapter, name)]
+    missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "WORKING_SETS", "matches", "patch", "stock_functions",
+                                 "tokens_per_item", "kv_heads", "splits_projections", "block_kinds")
+               if not hasattr(adapter, name)]
     if missing:
         raise TypeError(f"{getattr(adapter, '__name__', adapter)!s} is not a family adapter: it lacks "
                         f"{', '.join(missing)} (see nodes/family.py)")
     factors = adapter.MEMORY_FACTORS
     if not 0 < factors.split <= factors.unsplit <= 1:
         raise ValueError(f"{adapter.FAMILY}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
+    for kind, working_set in adapter.WORKING_SETS.items():
+        if not 0 < working_set.bounded(1) <= working_set.stock * 1.5:
+            raise ValueError(f"{adapter.FAMILY}: the {kind} block's working set is out of order: {working_set}")
 
 
 def unsliceable_projection(module, names: Sequence[str], where: str = "") -> Optional[str]:

@@ -27,12 +27,14 @@ from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjectio
 from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Flux"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"double": WorkingSet(stock=10.06, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py"),
+                "single": WorkingSet(stock=14.06, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py")}
 
 DOUBLE = AttentionForm(streams=(
     StreamProjections(fused="txt_attn.qkv", norm_q="txt_attn.norm.query_norm", norm_k="txt_attn.norm.key_norm"),
@@ -427,3 +429,7 @@ def splits_projections(diffusion_model) -> Optional[str]:
     if hasattr(block, "img_attn"):
         return unsliceable_projection(block.img_attn, ("qkv",), "img_attn.")
     return unsliceable_projection(block, ("linear1",))
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return tuple(sorted({kind.split("_")[0] for _, kind, _ in _blocks(diffusion_model)}))

@@ -34,12 +34,13 @@ from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import foreign_part, mlp_residual_
 from .comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Kandinsky5"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"block": WorkingSet(stock=9.10, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_kandinsky5_adapter.py")}
 
 SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="to_query", k="to_key", v="to_value",
                                                           norm_q="query_norm", norm_k="key_norm"),),
@@ -288,3 +289,7 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 def splits_projections(diffusion_model) -> Optional[str]:
     return unsliceable_projection(_first_attention(diffusion_model), ("to_query", "to_key", "to_value"))
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return ("block",)

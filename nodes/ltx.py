@@ -40,11 +40,12 @@ from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_
                         ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
 from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "LTX"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"block": WorkingSet(stock=10.5, bounded_whole=2.24, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_ltx_memory.py (stock 11.0 on v0.33, 10.0 on v0.8.0)")}
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
 FORMS = {kind: AttentionForm(streams=(STREAM,), norm=NORM_SPANS_HEADS, rope=kind)
@@ -368,7 +369,8 @@ def attention_forward(module, config):
         f"{FAMILY} attention", module, ATTENTION_ARGS, _attention_forward, config,
         functions=lambda: _stock_functions(module),
         signature=lambda bound: _attention_signature(module, config, bound), check_inputs=_check_attention,
-        quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_attention(module))
+        quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_attention(module),
+        short_runs_stock=True)
 
 
 def _block_signature(block, config, bound) -> tuple:
@@ -413,7 +415,8 @@ def bounded_block_forward(block, config):
     return compat.guard_module(
         f"{FAMILY} block", block, BLOCK_ARGS, ours_factory, config, functions=lambda: _stock_functions(block),
         signature=lambda bound: _block_signature(block, config, bound), check_inputs=_check_block, residual="x",
-        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block), refuse_more=foreign_part)
+        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block), refuse_more=foreign_part,
+        short_runs_stock=True)
 
 
 # --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
@@ -488,3 +491,7 @@ def kv_heads(diffusion_model) -> Optional[int]:
 def splits_projections(diffusion_model) -> Optional[str]:
     block = next(_blocks(diffusion_model), (None, None))[1]
     return unsliceable_projection(getattr(block, "attn1", None), ("to_q", "to_k", "to_v"), "attn1.")
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return ("block",)

@@ -36,12 +36,14 @@ from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from .block_parts import GatedMLP, foreign_part, mlp_residual_
 from .comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Lumina2"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"lumina2": WorkingSet(stock=18.0, bounded_whole=1.95, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py"),
+                "zimage": WorkingSet(stock=14.0, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py")}
 
 NORMED = AttentionForm(streams=(StreamProjections(fused="qkv", norm_q="q_norm", norm_k="k_norm"),),
                        norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
@@ -304,7 +306,7 @@ def _guard(kind: str, what: str, module, run, config, residual=None, refuse_call
         what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
         signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
         residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=refuse_call,
-        refuse_more=refuse_more)
+        refuse_more=refuse_more, short_runs_stock=True)
 
 
 def attention_forward(attention, config):
@@ -382,3 +384,13 @@ def kv_heads(diffusion_model) -> Optional[int]:
 
 def splits_projections(diffusion_model) -> Optional[str]:
     return unsliceable_projection(_first_attention(diffusion_model), ("qkv",))
+
+
+def block_kinds(diffusion_model) -> tuple:
+    """Z-Image's blocks (a modulation from at most 256 channels) or Lumina 2's."""
+    block = next(_blocks(diffusion_model), (None, None))[1]
+    modulation = getattr(block, "adaLN_modulation", None)
+    first = modulation[0] if isinstance(modulation, torch.nn.Sequential) and len(modulation) else None
+    width = getattr(diffusion_model, "dim", None)
+    zimage = first is not None and width is not None and getattr(first, "in_features", width) < width
+    return ("zimage",) if zimage else ("lumina2",)

@@ -1,10 +1,11 @@
 """The patch node: MODEL -> MODEL with head split, attention backend and block-level bounds."""
 from __future__ import annotations
 
-from comfy_api.latest import io
+from comfy_api.latest import io, ui
 
-from .dispatch import AUTO, backend_choices
-from .patching import LEVELS, apply_patch
+from .dispatch import AUTO, QKVConfig, backend_choices
+from .patching import LEVELS, apply_patch, find_adapter
+from .planner import compute_dtype, plan as plan_working_set
 from .reference_cache import FORMATS, STORAGE, ReferenceCache, add_reference_cache
 
 
@@ -43,11 +44,13 @@ class QKVPatch(io.ComfyNode):
                                          "stays."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],   # the node the run report is drawn on (web/qkv_report.js)
         )
 
     @classmethod
     def execute(cls, model, head_split, attention_backend, block_bounds) -> io.NodeOutput:
-        patched, _ = apply_patch(model, head_split, attention_backend, block_bounds)
+        node_id = getattr(getattr(cls, "hidden", None), "unique_id", None)
+        patched, _ = apply_patch(model, head_split, attention_backend, block_bounds, node_id=node_id)
         return io.NodeOutput(patched)
 
 
@@ -88,4 +91,48 @@ class QKVReferenceCache(io.ComfyNode):
         return io.NodeOutput(add_reference_cache(model, ReferenceCache(use_from_step, storage, format)))
 
 
-NODES = [QKVPatch, QKVReferenceCache]
+class QKVPlanner(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="QKVVRAMPlanner",
+            display_name="QKV VRAM Planner",
+            category="model_patches/attention",
+            description="Before you render: the pack's estimate of the largest transformer block's working set "
+                        "(the VRAM a sampling step needs beside the weights) for this model and latent, at each "
+                        "head_split level and for ComfyUI's own block. Queue it alone (it runs in a moment); "
+                        "the estimates come from measured peaks of each family's block.",
+            inputs=[
+                io.Model.Input("model"),
+                io.Latent.Input("latent"),
+                io.Boolean.Input("cond_uncond_batched", default=True,
+                                 tooltip="CFG above 1 runs the positive and negative prompts as one batch when "
+                                         "ComfyUI thinks they fit: plan for both (on), or for one (off)."),
+                io.Boolean.Input("block_bounds", default=True,
+                                 tooltip="As on the QKV Attention node."),
+            ],
+            outputs=[io.String.Output(display_name="plan")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, model, latent, cond_uncond_batched, block_bounds) -> io.NodeOutput:
+        diffusion_model = getattr(model.model, "diffusion_model", None)
+        adapter = find_adapter(diffusion_model) if diffusion_model is not None else None
+        samples = latent["samples"]
+        plan = None
+        if adapter is not None:
+            batch = samples.shape[0] * (2 if cond_uncond_batched else 1)
+            plan = plan_working_set(adapter, diffusion_model, tuple(samples.shape),
+                                    QKVConfig(3, AUTO, bool(block_bounds)), batch=batch,
+                                    dtype=compute_dtype(model.model))
+        if plan is None:
+            name = type(diffusion_model).__name__ if diffusion_model is not None else type(model.model).__name__
+            text = (f"{name}: no estimate (not a family the pack adapts, or a latent of shape "
+                    f"{tuple(samples.shape)} it cannot read)")
+        else:
+            text = "\n".join(plan.lines())
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
+NODES = [QKVPatch, QKVReferenceCache, QKVPlanner]

@@ -7,11 +7,12 @@ import torch
 
 import comfy.patcher_extension
 
-from ..qkv_core import LEVEL_NAMES, drain_notices, reset_notices, split_plan
-from . import compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lumina, qwen_image, sd3, wan
+from ..qkv_core import LEVEL_NAMES, drain_notices, drain_tally, reset_notices, split_plan
+from . import (compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lumina, planner, qwen_image,
+               reference_cache, sd3, wan)
 from .dispatch import QKVConfig, backend_choices, split_floor
 from .family import check_adapter
-from .report import PatchReport, logger
+from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui
 
 ADAPTERS = (wan, flux, lumina, qwen_image, kandinsky5, ltx, sd3, cosmos, hidream)
 LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
@@ -54,34 +55,68 @@ def find_adapter(diffusion_model):
     return None
 
 
-def make_run_wrapper(config: QKVConfig, adapter):
+def make_run_wrapper(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None):
     """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
     is scaled by what `memory_factor` finds for this run (its memory planning happens inside the run,
-    before the weights are loaded); each fallback is logged once a run, and the peak VRAM at the end (also
-    after an error or a cancel)."""
+    before the weights are loaded); at the end (also after an error or a cancel) the run report
+    (`report.RunReport`) is logged and sent to the node `node_id` in the browser. `adapter` None: the
+    kernel-level patch (ComfyUI's estimate stays)."""
 
     def outer_sample(executor, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
         base_model = patcher.model
         noise = args[0] if args else kwargs.get("noise")
-        factor, why = memory_factor(config, adapter, base_model.diffusion_model, getattr(noise, "shape", None),
-                                    patcher.model_options.get("transformer_options", {}))
+        shape = getattr(noise, "shape", None)
+        diffusion_model = base_model.diffusion_model
+        if adapter is None:
+            factor, why = 1.0, "kernel-level patch: ComfyUI's estimate"
+        else:
+            factor, why = memory_factor(config, adapter, diffusion_model, shape,
+                                        patcher.model_options.get("transformer_options", {}))
         stock_factor = base_model.memory_usage_factor
         base_model.memory_usage_factor = stock_factor * factor
         logger.info("[QKV] run: memory estimate x%.2f (%s)", factor, why)
         reset_notices()   # each fallback reason is logged once in every run
+        drain_tally()
+        family = adapter.FAMILY if adapter is not None else type(diffusion_model).__name__
+        run = RunReport(family, config.describe(), patch_report)
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
             return executor(*args, **kwargs)
+        except BaseException as error:   # a cancelled prompt raises too: the report says how the run ended
+            run.ended = "interrupted" if type(error).__name__ == "InterruptProcessingException" else \
+                f"with an error ({type(error).__name__})"
+            raise
         finally:
             base_model.memory_usage_factor = stock_factor
-            drain_notices()   # logged as they happened; kept until the run report takes them
-            if cuda:
-                logger.info("[QKV] run: peak VRAM allocated %.2f GiB", torch.cuda.max_memory_allocated() / 2**30)
+            finish_report(run, patcher, adapter, diffusion_model, shape, config, cuda)
+            run.log()
+            if node_id is not None:
+                send_to_ui(UI_EVENT, {"node": str(node_id), "report": run.as_payload()})
 
     return outer_sample
+
+
+def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, config: QKVConfig, cuda: bool):
+    """Fills `run` at the end of a sampling run: the runtime's counts and notices (both drained), the
+    reference caches on `patcher`, the peak VRAM and the planner's estimate for the longest call seen."""
+    tally = drain_tally()
+    run.kernels, run.splits = tally.kernels, tally.splits
+    run.fallbacks = drain_notices()
+    run.caches = reference_cache.summaries(patcher)
+    if cuda:
+        run.peak_bytes = torch.cuda.max_memory_allocated()
+    if adapter is not None and shape is not None:
+        tokens = adapter.tokens_per_item(diffusion_model, shape)
+        batch = max(1, round(tally.largest_call / tokens)) if tokens and tally.largest_call else None
+        try:
+            run.plan = planner.plan(adapter, diffusion_model, shape, config, batch=batch,
+                                    dtype=planner.compute_dtype(patcher.model))
+        except Exception as error:   # an estimate must never fail a finished run
+            logger.warning("[QKV] no memory estimate for this run: %s", error)
+        run.level = LEVELS[config.level]
 
 
 def remove_own_patches(patcher) -> int:
@@ -94,10 +129,11 @@ def remove_own_patches(patcher) -> int:
     return len(own) + int(kernel_patch.remove(patcher))
 
 
-def apply_patch(model, level: str, backend: str, block_bounds: bool):
+def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=None):
     """A patched clone of `model` (a ModelPatcher) and its report: a family adapter's patches, else the
     kernel-level patch (`kernel_patch`); a model with no diffusion model, or `backend` comfy without an
-    adapter, comes back as an unpatched clone, with the reason logged."""
+    adapter, comes back as an unpatched clone, with the reason logged. `node_id`: the node in the browser
+    that shows each run's report."""
     if level not in LEVELS:
         raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
     if backend not in backend_choices():
@@ -115,8 +151,8 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool):
         kernel_patch.patch(patched, backend, report, type(diffusion_model).__name__)
     else:
         adapter.patch(patched, config, report)
-        if report.any_patched:
-            patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
-                                         make_run_wrapper(config, adapter))
+    if report.any_patched:
+        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
+                                     make_run_wrapper(config, adapter, report, node_id))
     report.log()
     return patched, report

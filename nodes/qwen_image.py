@@ -30,13 +30,14 @@ from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjectio
 from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched modules need
 # less, so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 
 FORM = AttentionForm(streams=(
     StreamProjections(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q", norm_k="norm_added_k"),
@@ -429,3 +430,7 @@ def splits_projections(diffusion_model) -> Optional[str]:
     block = next(_blocks(diffusion_model), (None, None))[1]
     return unsliceable_projection(getattr(block, "attn", None),
                                   ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"), "attn.")
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return ("block",)

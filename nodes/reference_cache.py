@@ -147,9 +147,34 @@ class ReferenceCache:
                 entry.cache.clear()
             entries.clear()
 
+    def summary(self) -> dict:
+        """The live run's entries (the run report may be written before this cache's run ends) or the last
+        run's: bytes held, format, storage, conditionings, refusals."""
+        if self.entries is not None:
+            entries = self.entries.values()
+            held, count = sum(entry.held for entry in entries), len(self.entries)
+            refused = [entry.refused for entry in entries if entry.refused]
+        else:
+            held, count = self.last_run.get("bytes", 0), len(self.last_run.get("keys", ()))
+            refused = list(self.last_run.get("refused", ()))
+        return {"bytes": held, "format": self.fmt, "storage": self.storage.upper() if self.storage == "ram"
+                else "VRAM", "entries": count, "refused": refused, "calls": dict(self.counts)}
+
     def new_cache(self, blocks: int, dtype) -> PrefixCache:
         return PrefixCache(blocks, quantize=self.fmt != "16-bit", native=self.fmt == "native",
                            ram=self.storage == "ram", name="references", dtype=dtype)
+
+
+def summaries(patcher) -> list:
+    """What the reference caches on `patcher` (a ModelPatcher) hold, for the run report: one dict per cache
+    (bytes, format, storage, conditionings, refusals), from its live run or, after it, its last run."""
+    from comfy.patcher_extension import WrappersMP
+    out = []
+    for wrapper in patcher.get_wrappers(WrappersMP.OUTER_SAMPLE, WRAPPER_KEY):
+        state = getattr(wrapper, "state", None)
+        if state is not None:
+            out.append(state.summary())
+    return out
 
 
 def step_index(transformer_options: dict) -> Optional[int]:
@@ -174,6 +199,7 @@ def outer_sample_wrapper(state: ReferenceCache):
     def wrapper(executor, *args, **kwargs):
         with state.run():
             return executor(*args, **kwargs)
+    wrapper.state = state   # the run report reads what it held
     return wrapper
 
 

@@ -31,12 +31,14 @@ from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
 from .block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
 from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "SD3"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+WORKING_SETS = {"joint": WorkingSet(stock=19.21, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Large)"),
+                "joint_self_attention": WorkingSet(stock=27.21, bounded_whole=3.06, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Medium: x's second attention)")}
 
 # One stream of a `SelfAttention`: fused [q, k, v] and its per-head norms (names inside the SelfAttention).
 STREAM = StreamProjections(fused="qkv", norm_q="ln_q", norm_k="ln_k")
@@ -291,7 +293,8 @@ def block_forward(block, config):
         f"{FAMILY} joint block", block, BLOCK_ARGS, ours_factory, config,
         functions=lambda: _stock_functions(block), signature=lambda bound: _signature(block, config, bound),
         check_inputs=lambda bound: _check_inputs(block, bound), residual=("context", "x"),
-        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call, refuse_more=foreign_part)
+        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call, refuse_more=foreign_part,
+        short_runs_stock=True)
 
 
 # --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
@@ -335,3 +338,8 @@ def kv_heads(diffusion_model) -> Optional[int]:
 def splits_projections(diffusion_model) -> Optional[str]:
     block = next(_blocks(diffusion_model), (None, None))[1]
     return unsliceable_projection(None if block is None else block.x_block.attn, ("qkv",), "x_block.attn.")
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return tuple(sorted({"joint_self_attention" if getattr(block.x_block, "x_block_self_attn", False) else "joint"
+                         for _, block in _blocks(diffusion_model)}))

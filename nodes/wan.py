@@ -27,7 +27,7 @@ from .block_parts import output_projection_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
-from .family import MemoryFactors, patch_module, unsliceable_projection
+from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Wan"
 # Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
@@ -37,6 +37,7 @@ FAMILY = "Wan"
 # over ComfyUI's estimate: A / E = 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the
 # rest is the model around the blocks and ComfyUI's weight streaming), r = 0.84 without it.
 MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0")
+WORKING_SETS = {"block": WorkingSet(stock=9.0, bounded_whole=2.05, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")}
 
 
 def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
@@ -167,6 +168,7 @@ class CrossAttention:
                 image = attend_group(q, k_img[:, :, group.kv.start:group.kv.stop],
                                      v_img[:, :, group.kv.start:group.kv.stop], choice, group, full_precision=True)
                 return text.add_(image)  # x = x + img_x, as the model sums them
+            text_plus_image.counts_itself = True   # attend_group counts each kernel call
             self.kwargs = {key: value for key, value in choice.items() if key != "force_attention"}
             self.kwargs["attention_fn"] = text_plus_image
         self.context = context
@@ -532,3 +534,7 @@ def splits_projections(diffusion_model) -> Optional[str]:
     """None when the self-attention projections can be computed by rows (the head split can run), else why not."""
     block = next(_block_lists(diffusion_model), (None, None, None))[2]
     return unsliceable_projection(getattr(block, "self_attn", None), ("q", "k", "v"), "self_attn.")
+
+
+def block_kinds(diffusion_model) -> tuple:
+    return ("block",)

@@ -14,6 +14,7 @@ from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize
 from .projections import (FusedRows, LinearRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows,
                           WholeProjection, as_row_projection)
 from .q8 import dequantize_q8, dequantize_q8_into, merge_lse_, quantize_q8
+from .tally import Tally, drain_tally
 from .runtime import cross_qkv_attention, joint_qkv_attention, kv_first_attention, qkv_attention, rows_
 
 __version__ = "0.1.0"
@@ -31,5 +32,5 @@ __all__ = [
     "get_attention_backend", "native_prefix_kit",
     "quantize_q8", "dequantize_q8", "dequantize_q8_into", "merge_lse_",
     "KVPrefix", "q8_prefix", "cache_prefix", "dequantize_prefix", "PrefixLayer", "PrefixCache",
-    "drain_notices", "reset_notices",
+    "drain_notices", "reset_notices", "drain_tally", "Tally",
 ]

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .notices import notice_once
+from .tally import count_attention
 
 AUTO = "auto"
 
@@ -432,4 +433,5 @@ def pay_attention(q, k, v, mask=None, force_attention: Optional[str] = None, sof
     `mask` broadcasts to `(B, H, Nq, Nk)`: boolean (True attends) or additive float.
     """
     backend = resolve_backend(q, k, v, mask, softmax_scale, force_attention)
+    count_attention(backend.name)
     return backend.attend(q, k, v, mask=mask, softmax_scale=softmax_scale)

@@ -60,8 +60,9 @@ class SplitPlan(NamedTuple):
 def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None,
                split_heads: Optional[bool] = None, unsliceable: Optional[str] = None) -> SplitPlan:
     """The one place that decides the head split, for the runtime's calls and for whoever plans memory
-    around them (the node's memory estimate): `kv_heads` key/value heads, `tokens` query tokens (all batch
-    items together; for cross attention the longer of the two sequences), `level` (default: the process
+    around them (the node's memory estimate): `kv_heads` key/value heads, `tokens` query tokens of one batch
+    item (for cross attention the longer of the two sequences; a batch of short sequences is not split: on a
+    GPU a whole model of 1 MP images, cond and uncond batched, ran 3-8x slower split, for ~100 MiB), `level` (default: the process
     level), `floor` (the fewest tokens that are split; default `SPLIT_FLOOR_TOKENS`), `split_heads=False`
     (the caller's "never"), `unsliceable` (why a projection that would be split cannot be computed by rows)."""
     lvl = _global_level if level is None else parse_level(level)
@@ -82,7 +83,7 @@ def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor:
 
 
 def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
-    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens (`split_plan`'s)."""
+    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens of one item (`split_plan`'s)."""
     return split_plan(kv_heads, tokens, level, floor).groups
 
 

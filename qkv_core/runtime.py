@@ -26,6 +26,7 @@ from . import head_split
 from .group_loop import GroupLoop
 from .head_split import HeadGroup, head_groups, split_plan
 from .notices import notice_once
+from .tally import count_attention, count_split
 from .options import AttentionOptions
 from .capture import KVCapture
 from .prefix_join import prefix_tokens, resolve_prefix
@@ -100,19 +101,18 @@ class _Call:
 
     @property
     def floor(self) -> int:
-        """The fewest tokens (all batch items) that are split: the option, else the module's constant."""
+        """The fewest tokens (of one batch item) that are split: the option, else the module's constant."""
         return head_split.SPLIT_FLOOR_TOKENS if self.o.split_floor_tokens is None else self.o.split_floor_tokens
 
     def plan_groups(self) -> list[HeadGroup]:
-        """The call's groups of heads, their count from `split_plan` (the longer of the q and kv sequences, all
-        batch items together). A projection that cannot be computed by rows, in a stream long enough to be
+        """The call's groups of heads, their count from `split_plan` (the longer of the q and kv sequences, of one
+        batch item: cond and uncond batched together are no longer a sequence). A projection that cannot be computed by rows, in a stream long enough to be
         split, keeps the call in one group (said once); a short stream's is projected whole and sliced."""
         o, s = self.o, self.streams
-        batch = s.batch
-        unsliceable = next(((name, reason) for source in s.all_streams if batch * source.tokens >= self.floor
+        unsliceable = next(((name, reason) for source in s.all_streams if source.tokens >= self.floor
                             for name, proj in source.proj.items()   # short streams: projected whole, sliced
                             for reason in [proj.not_row_sliceable()] if reason is not None), None)
-        plan = split_plan(s.kv_heads, batch * max(s.q_tokens, s.kv_tokens), o.head_split_level, self.floor,
+        plan = split_plan(s.kv_heads, max(s.q_tokens, s.kv_tokens), o.head_split_level, self.floor,
                           o.split_heads, None if unsliceable is None else unsliceable[1])
         if unsliceable is not None and plan.reason == unsliceable[1]:
             name, reason = unsliceable
@@ -126,6 +126,11 @@ class _Call:
         groups = self.plan_groups()
         kept_keys: dict[int, torch.Tensor] = {}   # k of the first groups, from the statistics pass
         staged = self.staged_core()
+        count_split(len(groups), s.batch * max(s.q_tokens, s.kv_tokens))
+        if staged is not None:   # plain backends count themselves in pay_attention, a caller's function its own
+            count_attention(f"{self.backend.name} (staged)", len(groups))
+        elif o.attention_fn is not None and not getattr(o.attention_fn, "counts_itself", False):
+            count_attention("the caller's attention function", len(groups))
         try:
             validate_native_prefix_core(o.kv_prefix, staged)
             s.prepare(len(groups))
@@ -219,6 +224,7 @@ def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch
     qkv_list.clear()
     backend = resolve_backend(q, k, v, None, None, force_attention)
     core = backend.staged_core
+    count_attention(backend.name if core is None else f"{backend.name} (staged)")
     if core is None:
         result = backend.attend(q, k, v)
         del q, k, v

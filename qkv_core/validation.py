@@ -99,7 +99,7 @@ def validate_call(o: AttentionOptions, streams: CallStreams) -> None:
     if o.split_floor_tokens is not None and (isinstance(o.split_floor_tokens, bool) or
                                              not isinstance(o.split_floor_tokens, int) or
                                              o.split_floor_tokens < 0):
-        raise ValueError(f"split_floor_tokens is the fewest tokens (all batch items) that are split, an int "
+        raise ValueError(f"split_floor_tokens is the fewest tokens (of one batch item) that are split, an int "
                          f">= 0, not {o.split_floor_tokens!r}; leave it out for the default")
     if o.softmax_scale is not None and (o.force_attention != "sdpa" or o.attention_fn is not None):
         raise ValueError("softmax_scale is only honoured by the SDPA path: pass force_attention='sdpa' and no "

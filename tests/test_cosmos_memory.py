@@ -11,6 +11,7 @@ import importlib
 import pytest
 
 import comfy_env
+import working_set_check
 
 pytestmark = pytest.mark.comfyui
 
@@ -67,6 +68,8 @@ def test_bounded_block_peak():
         stock = memory.measure_peak(block, x_stock, **inputs, live=live)
         bounded = memory.measure_peak(bounded_forward, x_bounded, **inputs, live=live)
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(pack, cosmos, "block", HEADS, TOKENS, ratio_stock,
+                                       ratio_bounded)
     print(f"\nCosmos predict2 block {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
           f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
     assert ratio_bounded <= 2.5

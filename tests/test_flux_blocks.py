@@ -9,6 +9,7 @@ import importlib
 import pytest
 
 import comfy_env
+import working_set_check
 
 pytestmark = pytest.mark.comfyui
 
@@ -171,6 +172,8 @@ def test_bounded_block_peak(env, flux, which, variant):
         stock = memory.measure_peak(block, **_clone(inputs), live=[block, list(inputs.values())])
         bounded = memory.measure_peak(bounded_forward, **_clone(inputs), live=[block, list(inputs.values())])
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(env.pack, flux, which, HEADS, IMG_TOKENS + TXT_TOKENS, ratio_stock,
+                                       ratio_bounded)
     print(f"\n{variant} {which} block {IMG_TOKENS}+{TXT_TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, "
           f"bounded {ratio_bounded:.2f}x|x|")
     assert ratio_bounded <= 2.5

@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 import comfy_env
+import working_set_check
 import family_cases
 from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
@@ -189,6 +190,7 @@ def test_bounded_block_peak():
         stock = memory.measure_peak(block, **inp, live=live)
         bounded = memory.measure_peak(bounded_forward, **inp, live=live)
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(pack, hidream, "block", heads, tokens + text, ratio_stock, ratio_bounded)
     print(f"\nHiDream double block bf16 {tokens} + {text} tokens x {width}, {heads} heads: stock {ratio_stock:.2f}x|x|, "
           f"bounded {ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
     assert ratio_bounded <= 3.5   # its mixture of experts by chunks of MOE_CHUNK_BUDGET = 3 x |x|

@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 
 import comfy_env
+import working_set_check
 from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
@@ -191,6 +192,8 @@ def test_bounded_block_peak(env):
         stock = memory.measure_peak(block, **inp, live=live)
         bounded = memory.measure_peak(bounded_forward, **inp, live=live)
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(env.pack, env.kandinsky5, "block", HEADS, TOKENS, ratio_stock,
+                                       ratio_bounded)
     print(f"\nKandinsky 5 block {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
           f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
     assert ratio_bounded <= 2.5

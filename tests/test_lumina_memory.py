@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 import comfy_env
+import working_set_check
 
 pytestmark = pytest.mark.comfyui
 
@@ -72,6 +73,8 @@ def test_bounded_block_peak(layout):
         stock = memory.measure_peak(block, **inp, live=live)
         bounded = memory.measure_peak(bounded_forward, **inp, live=live)
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(pack, lumina, layout, settings["kv_heads"], TOKENS, ratio_stock,
+                                       ratio_bounded)
     print(f"\nLumina block ({layout}) {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
           f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
     assert ratio_bounded <= 2.5

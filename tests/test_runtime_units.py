@@ -222,3 +222,19 @@ def test_auto_leaves_short_and_hopper_masked_calls_of_sageattention2_to_sdpa(mon
     assert sum("auto: sage is not used for masked calls on Hopper" in line for line in lines) == 1
     monkeypatch.setattr(backends.torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert backends.resolve_backend(long_, long_, long_, mask=mask).name == "sage"   # Ada: its Triton kernel
+
+
+def test_tally_counts_backends_and_groups_for_the_run_report():
+    """Each runtime call counts its head groups and each kernel call its backend; `not_counted` leaves a
+    caller's own checks out; draining clears the counts."""
+    from qkv_core import tally
+    qc.drain_tally()
+    q, k, v = make_qkv(64, 8, 8)
+    x = torch.randn(1, 96, 64)
+    qc.qkv_attention([x.clone()], q, k, v, 8, 8, head_split_level=3, split_floor_tokens=0, force_attention="sdpa")
+    qc.qkv_attention([x.clone()], q, k, v, 8, 8, head_split_level=0, force_attention="sdpa")
+    with tally.not_counted():
+        qc.qkv_attention([x.clone()], q, k, v, 8, 8, head_split_level=3, split_floor_tokens=0)
+    counts = qc.drain_tally()
+    assert counts.splits == {8: 1, 1: 1} and counts.kernels == {"sdpa": 9} and counts.largest_call == 96
+    assert qc.drain_tally().empty

@@ -12,6 +12,7 @@ import importlib
 import pytest
 
 import comfy_env
+import working_set_check
 
 pytestmark = pytest.mark.comfyui
 
@@ -67,6 +68,8 @@ def test_bounded_block_peak(layout):
         stock = memory.measure_peak(block, **inp, live=live)
         bounded = memory.measure_peak(bounded_forward, **inp, live=live)
     ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    working_set_check.assert_estimates(pack, sd3, "joint_self_attention" if LAYOUTS[layout] else "joint", HEADS, TOKENS + TEXT, ratio_stock,
+                                       ratio_bounded)
     print(f"\nSD3 joint block ({layout}) bf16 {TOKENS} + {TEXT} tokens x {WIDTH}, {HEADS} heads: stock "
           f"{ratio_stock:.2f}x|x|, bounded {ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} "
           f"of stock)")

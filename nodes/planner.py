@@ -1,0 +1,113 @@
+"""The VRAM planner: before anything runs, from a model's dimensions and the latent's size, the peak working set
+of its largest block at each head-split level, beside ComfyUI's own block (the family's `WORKING_SETS`,
+nodes/family.py). It answers "which level fits?" without a ten-minute trial; the run report shows the same
+estimate beside the peak it measured."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ..qkv_core import split_plan
+from .dispatch import QKVConfig, split_floor
+from .report import size
+
+WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPlan:
+    level: str
+    groups: int
+    bytes: int
+    why: str   # split_plan's reason when it does not split
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The estimate for one model call: `batch` items of `tokens` tokens each (the longest attention), width
+    `width` in `element_size`-byte activations (|x| = `x_bytes`)."""
+
+    family: str
+    block: str           # the block kind whose working set is the largest
+    tokens: int
+    batch: int
+    width: int
+    x_bytes: int
+    stock_bytes: int
+    levels: tuple        # LevelPlan for Off, Low, Medium, High
+    block_bounds: bool
+
+    def bytes_at(self, level: str) -> int:
+        return next(plan.bytes for plan in self.levels if plan.level == level)
+
+    def lines(self) -> list[str]:
+        bounds = "" if self.block_bounds else " (block_bounds off: the stock feed-forward's peak stays)"
+        out = [f"{self.family}, {self.batch} x {self.tokens:,} tokens, width {self.width}: |x| = "
+               f"{size(self.x_bytes)}; working set of the largest block ({self.block}){bounds}:",
+               f"  ComfyUI's own block: {size(self.stock_bytes)}"]
+        for plan in self.levels:
+            split = f"{plan.groups} head groups" if plan.groups > 1 else f"not split: {plan.why}"
+            out.append(f"  {plan.level}: {size(plan.bytes)} ({split})")
+        return out
+
+    def as_dict(self) -> dict:
+        return {"family": self.family, "block": self.block, "tokens": self.tokens, "batch": self.batch,
+                "width": self.width, "x_bytes": self.x_bytes, "stock_bytes": self.stock_bytes,
+                "block_bounds": self.block_bounds,
+                "levels": [dataclasses.asdict(plan) for plan in self.levels]}
+
+
+def model_width(diffusion_model) -> Optional[int]:
+    """The width of the model's token activations (its first `WIDTH_NAMES` attribute that is a positive int)."""
+    for name in WIDTH_NAMES:
+        value = getattr(diffusion_model, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def compute_dtype(base_model) -> Optional[torch.dtype]:
+    """The dtype the model computes in (`base_model`: comfy.model_base's model): fp8 / GGUF weights are cast
+    to it per call, so activations are in it, not in the weights' dtype."""
+    cast = getattr(base_model, "manual_cast_dtype", None)
+    if cast is not None:
+        return cast
+    get_dtype = getattr(base_model, "get_dtype", None)
+    dtype = get_dtype() if callable(get_dtype) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 else None
+
+
+def working_sets(adapter, diffusion_model) -> dict:
+    """The `WorkingSet` of each kind of block the model has (every kind the family knows when none is found)."""
+    kinds = [kind for kind in adapter.block_kinds(diffusion_model) if kind in adapter.WORKING_SETS]
+    return {kind: adapter.WORKING_SETS[kind] for kind in (kinds or adapter.WORKING_SETS)}
+
+
+def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optional[int] = None,
+         dtype: Optional[torch.dtype] = None, levels=("Off", "Low", "Medium", "High")) -> Optional[Plan]:
+    """The estimate for `adapter`'s `diffusion_model` called on a latent of `latent_shape` (`batch` items per
+    call: the latent's batch, doubled where ComfyUI runs cond and uncond together), activations in `dtype`
+    (`compute_dtype`; default bf16), or None when the shapes cannot be read (said by the caller)."""
+    tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
+    width = model_width(diffusion_model)
+    if tokens is None or width is None:
+        return None
+    batch = int(batch or latent_shape[0])
+    dtype = dtype or torch.bfloat16
+    element_size = torch.empty((), dtype=dtype).element_size()
+    x_bytes = batch * tokens * width * element_size
+    sets = working_sets(adapter, diffusion_model)
+    kind = max(sets, key=lambda name: sets[name].stock)   # the stock peak's block; the pack's may be another
+    kv_heads = adapter.kv_heads(diffusion_model) or 2
+    unsliceable = adapter.splits_projections(diffusion_model)
+    plans = []
+    for index, name in enumerate(("Off", "Low", "Medium", "High")):
+        if name not in levels:
+            continue
+        split = split_plan(kv_heads, tokens, index, split_floor(config), unsliceable=unsliceable)
+        factor = max(ws.bounded(split.groups) if config.block else ws.stock for ws in sets.values())
+        plans.append(LevelPlan(name, split.groups, int(factor * x_bytes), split.reason or ""))
+    return Plan(adapter.FAMILY, kind, tokens, batch, width, x_bytes, int(sets[kind].stock * x_bytes),
+                tuple(plans), config.block)

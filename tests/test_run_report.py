@@ -1,0 +1,184 @@
+"""The run report and the VRAM planner (issue 13): what a sampling run of a patched model reports (in the log
+and to the node in the browser), and the planner's working-set estimates against MemTracker's measured peaks
+of ComfyUI's Wan block at every head-split level."""
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+
+import pytest
+
+import comfy_env
+import test_wan_memory as wan_memory
+from test_node_in_comfyui import _prompt, loaded  # noqa: F401  (the prompt fixture)
+
+pytestmark = pytest.mark.comfyui
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """What the run wrapper sends to the browser: (event, payload) pairs."""
+    comfy_env.require_comfyui()
+    import sys
+    comfy_env.load_pack()
+    messages = []
+    # every copy of the pack in this process: the tests' own and the one ComfyUI's loader imported
+    copies = [module for name, module in list(sys.modules.items())
+              if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrapper")]
+    for patching in copies:
+        monkeypatch.setattr(patching, "send_to_ui", lambda event, payload: messages.append((event, payload)) or True)
+    return messages
+
+
+def test_a_prompt_sends_its_report_to_the_node(loaded, sent, caplog):  # noqa: F811
+    _, suffix = loaded
+    with caplog.at_level(logging.INFO, logger="ComfyUI-QKV"):
+        ex = comfy_env.run_prompt(_prompt(suffix, "report", {"head_split": "High", "attention_backend": "auto",
+                                                             "block_bounds": True}))
+    assert ex.success, comfy_env.execution_error(ex)
+    assert len(sent) == 1
+    event, payload = sent[0]
+    assert event == "comfyui_qkv.report" and payload["node"] == "2"   # the QKVAttentionPatch node's id
+    report = payload["report"]
+    json.dumps(report)   # what the browser receives
+    assert report["family"] == "Wan" and report["ended"] == "finished"
+    assert report["settings"] == "High, block bounds, backend auto"
+    assert "Wan: 1 self_attn patched" in report["lines"] and "Wan: 1 block patched" in report["lines"]
+    # a CPU run of a tiny Wan: auto is PyTorch's SDPA; 32 tokens are not split
+    assert set(report["backends"]) == {"sdpa"} and sum(report["backends"].values()) >= 4
+    assert report["head_groups"] == {"1": sum(report["head_groups"].values())}
+    assert report["fallbacks"] == [] and "fallbacks: none" in report["lines"]
+    for field in ("peak_bytes", "stock_estimate_bytes", "estimate_bytes", "plan"):
+        assert field in report
+    assert report["peak_bytes"] is None and "peak VRAM: not measured (no CUDA device)" in report["lines"]
+    assert report["plan"]["tokens"] == 32 and report["level"] == "High"
+    assert "run report:" in caplog.text and "attention: sdpa x" in caplog.text
+
+
+def test_a_failed_run_still_reports(loaded, sent):  # noqa: F811
+    """An error inside sampling: the report says how the run ended, and the error reaches ComfyUI."""
+    import comfy.k_diffusion.sampling as sampling
+    _, suffix = loaded
+    prompt = _prompt(suffix, "error", {"head_split": "High", "attention_backend": "auto", "block_bounds": True})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken on purpose")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampling, "sample_euler", broken)   # KSampler looks its sampler up at each run
+        ex = comfy_env.run_prompt(prompt)
+    assert not ex.success and "broken on purpose" in str(comfy_env.execution_error(ex))
+    assert [event for event, _ in sent] == ["comfyui_qkv.report"]
+    assert sent[0][1]["report"]["ended"] == "with an error (RuntimeError)"
+
+
+def _measured_block_peaks(pack, levels):
+    """MemTracker's peaks of test_wan_memory's bf16 block (12,288 tokens x 512, 16 heads), as multiples of |x|:
+    stock, then the bounded block at each of `levels`."""
+    import torch
+    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
+    memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
+    block, inp = wan_memory.build_block(torch), wan_memory.block_inputs(torch)
+    x_bytes = inp["x"].numel() * inp["x"].element_size()
+    live = [block, list(inp.values())]
+    peaks = {}
+    with torch.no_grad():
+        peaks["stock"] = memory.measure_peak(block, **inp, live=live).peak_bytes / x_bytes
+        for level in levels:
+            forward = wan.bounded_block_forward(block, node.QKVConfig(level=level, backend="sdpa", block=True))
+            forward(**inp)   # the self-check, outside the measurement
+            peaks[level] = memory.measure_peak(forward, **inp, live=live).peak_bytes / x_bytes
+    return peaks
+
+
+def _wan_like_memory_test(torch, layers=1):
+    """A Wan with test_wan_memory's dimensions, bf16, and a latent of its 12,288 tokens."""
+    model = comfy_env.make_wan("t2v", dim=wan_memory.WIDTH, heads=wan_memory.HEADS, layers=layers,
+                               ffn_dim=wan_memory.FFN, text_dim=64, dtype=torch.bfloat16)
+    latent_shape = (1, 16, 3, 128, 128)   # 3 x 64 x 64 tokens after Wan's (1, 2, 2) patches
+    return model, latent_shape
+
+
+def test_planner_matches_memtracker_at_every_level():
+    """`planner.plan` for a Wan of the memory test's dimensions against MemTracker's peaks of its block: stock
+    and each head-split level within 15%."""
+    comfy_env.require_comfyui()
+    import torch
+    pack = comfy_env.load_pack()
+    planner = importlib.import_module(pack.__name__ + ".nodes.planner")
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
+    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    model, latent_shape = _wan_like_memory_test(torch)
+    plan = planner.plan(wan, model.model.diffusion_model, latent_shape, node.QKVConfig(3, "sdpa", True),
+                        dtype=torch.bfloat16)
+    assert plan.tokens == wan_memory.TOKENS and plan.width == wan_memory.WIDTH
+    assert plan.x_bytes == wan_memory.TOKENS * wan_memory.WIDTH * 2
+    assert [(level.level, level.groups) for level in plan.levels] == [("Off", 1), ("Low", 4), ("Medium", 8),
+                                                                       ("High", 16)]
+    measured = _measured_block_peaks(pack, levels=(0, 1, 2, 3))
+    estimates = {"stock": plan.stock_bytes, **{index: level.bytes for index, level in enumerate(plan.levels)}}
+    for key, ratio in measured.items():
+        estimate = estimates[key] / plan.x_bytes
+        assert abs(estimate - ratio) <= 0.15 * ratio, (key, estimate, ratio)
+    assert any("High: " in line and "16 head groups" in line for line in plan.lines())
+
+
+def test_run_report_estimate_matches_memtracker(sent):
+    """A sampling run of a Wan of the memory test's dimensions (one block, one step): the report's estimate of
+    the block's working set at High is within 15% of MemTracker's measured peak of that block."""
+    import torch
+    pack = comfy_env.load_pack()
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
+    model, latent_shape = _wan_like_memory_test(torch)
+    patched, _ = node.apply_patch(model, "High", "sdpa", True, node_id="7")
+    latent = torch.zeros(latent_shape)
+    comfy_env.run_sample(patched, frames=3, h=128, w=128, steps=1, cfg=1.0, latent=latent)
+    (event, payload), = sent
+    report = payload["report"]
+    assert payload["node"] == "7" and report["level"] == "High"
+    assert report["plan"]["batch"] == 1 and report["plan"]["tokens"] == wan_memory.TOKENS
+    # the block's self-attention split in 16 groups; its cross-attention runs by token chunks, each whole
+    assert report["head_groups"]["16"] == 1 and set(report["head_groups"]) == {"16", "1"}
+    measured = _measured_block_peaks(pack, levels=(3,))
+    estimate = report["estimate_bytes"] / report["plan"]["x_bytes"]
+    assert abs(estimate - measured[3]) <= 0.15 * measured[3], (estimate, measured[3])
+    stock = report["plan"]["stock_bytes"] / report["plan"]["x_bytes"]
+    assert abs(stock - measured["stock"]) <= 0.15 * measured["stock"], (stock, measured["stock"])
+
+
+def test_stock_estimate_swaps_the_working_sets():
+    """The stock peak the report gives: the measured peak less the pack's estimated working set plus stock's."""
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    report = importlib.import_module(pack.__name__ + ".nodes.report")
+    planner = importlib.import_module(pack.__name__ + ".nodes.planner")
+    levels = (planner.LevelPlan("High", 16, 2 * 2**30, ""),)
+    run = report.RunReport("Wan", "High, block bounds, backend auto", report.PatchReport())
+    run.plan = planner.Plan("Wan", "block", 75600, 1, 5120, 2**30, 9 * 2**30, levels, True)
+    run.level, run.peak_bytes = "High", 20 * 2**30
+    assert run.estimate_bytes == 2 * 2**30 and run.stock_estimate_bytes == 27 * 2**30
+    assert any("stock ComfyUI would need about 27.00 GiB" in line for line in run.lines())
+    run.peak_bytes = None
+    assert run.stock_estimate_bytes is None
+    json.dumps(run.as_payload())
+
+
+def test_planner_node_shows_every_level(loaded):  # noqa: F811
+    """The QKV VRAM Planner node in a prompt: its text (on the node and as its output) names every level with
+    its head groups, for cond and uncond batched; a model the pack does not adapt gets one line saying so."""
+    import torch
+    nodes, _ = loaded
+    planner_node = nodes.NODE_CLASS_MAPPINGS["QKVVRAMPlanner"]
+    model, latent_shape = _wan_like_memory_test(torch)
+    out = planner_node.execute(model, {"samples": torch.zeros(latent_shape)}, True, True)
+    text = out.result[0]
+    assert text.startswith("Wan, 2 x 12,288 tokens, width 512")
+    for line in ("  Off: ", "  Low: ", "  Medium: ", "  High: "):
+        assert line in text
+    assert "(16 head groups)" in text and "ComfyUI's own block" in text
+    assert out.ui is not None
+    odd = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    odd.model.diffusion_model.blocks = torch.nn.ModuleList()   # no Wan blocks: not a Wan the pack knows
+    text = planner_node.execute(odd, {"samples": torch.zeros(1, 16, 2, 8, 8)}, True, True).result[0]
+    assert "no estimate" in text

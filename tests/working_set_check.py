@@ -1,0 +1,20 @@
+"""Test helper: the planner's working-set estimate (an adapter's `WORKING_SETS`, nodes/family.py) against the
+peaks a memory test measured with MemTracker. Imported by the adapters' memory tests as
+``import working_set_check`` (tests/ is on sys.path)."""
+from __future__ import annotations
+
+TOLERANCE = 0.15   # issue 13: estimates within 15% of the CPU MemTracker runs
+
+
+def assert_estimates(pack, adapter, kind: str, kv_heads: int, tokens: int, ratio_stock: float,
+                     ratio_bounded: float, level: int = 3) -> None:
+    """`adapter`'s estimate for its `kind` block (stock, and bounded at `level` for a call of `tokens` tokens
+    over `kv_heads` key/value heads) is within TOLERANCE of the measured `ratio_stock` / `ratio_bounded`
+    (peaks in multiples of |x|)."""
+    groups = pack.qkv_core.split_plan(kv_heads, tokens, level).groups
+    working_set = adapter.WORKING_SETS[kind]
+    for what, estimate, measured in (("stock", working_set.stock, ratio_stock),
+                                     (f"bounded, {groups} groups", working_set.bounded(groups), ratio_bounded)):
+        assert abs(estimate - measured) <= TOLERANCE * measured, (
+            f"{adapter.FAMILY} {kind} block ({what}): the planner estimates {estimate:.2f} x |x|, "
+            f"MemTracker measured {measured:.2f}")
