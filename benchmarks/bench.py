@@ -6,6 +6,7 @@
     python -m benchmarks.bench --comfyui [PATH]    # ComfyUI's real Wan 14B block (benchmarks/wan_block.py)
     python -m benchmarks.bench --comfyui [PATH] --whole-model [options]   # benchmarks/wan_model.py
     python -m benchmarks.bench --comfyui [PATH] --families [options]      # benchmarks/family_blocks.py
+    python -m benchmarks.bench --comfyui [PATH] --family-models [options] # benchmarks/family_models.py
 
 Run from the repository root (`scripts/bench` does). Until this change the runner was `qkv_core/bench.py`
 (`python -m qkv_core.bench`); the benchmarks are not part of the node pack's runtime.
@@ -536,6 +537,46 @@ def find_comfyui(path: Optional[str] = None) -> Path:
                      + ", ".join(str(c) for c in candidates))
 
 
+class _StubSubmodules:
+    """`torchvision.<anything>` as an empty stub package while `torchvision` is the stub below (a CPU machine
+    without torchvision): `comfy.model_base` (v0.33) imports `torchvision.ops.roi_align` (SAM3). Attributes of
+    the stub modules are placeholders that raise when called; no workload calls them. A real torchvision is
+    never shadowed."""
+
+    STUB_VERSION = "0.0.0+qkv_bench_stub"
+
+    @classmethod
+    def active(cls) -> bool:
+        top = sys.modules.get("torchvision")
+        return top is not None and getattr(top, "__version__", "") == cls.STUB_VERSION
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if not fullname.startswith("torchvision.") or not cls.active():
+            return None
+        return importlib.machinery.ModuleSpec(fullname, cls, is_package=True)
+
+    @classmethod
+    def create_module(cls, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    @classmethod
+    def exec_module(cls, module):
+        pass
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def unavailable(*args, **kwargs):
+            raise ImportError(f"{self.__name__}.{name}: torchvision is not installed (bench.py's stub)")
+        return type(name, (), {"__init__": unavailable, "__module__": self.__name__})
+
+
 def _torchvision_stub_if_missing() -> bool:
     """ComfyUI imports torchvision unguarded in places; a CPU-only torch may have none that works. A bare
     package stands in only when the real one fails to import. True when stubbed."""
@@ -554,6 +595,8 @@ def _torchvision_stub_if_missing() -> bool:
             module.__version__ = "0.0.0+qkv_bench_stub"
         sys.modules[name] = module
     sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]
+    if _StubSubmodules not in sys.meta_path:
+        sys.meta_path.append(_StubSubmodules)
     return True
 
 
@@ -680,6 +723,12 @@ def run_references(argv) -> int:
     return _run_pack_module(argv, "--references", "reference_steps")
 
 
+def run_family_models(argv) -> int:
+    """`--comfyui PATH --family-models ...`: whole models of the non-Wan families, stock vs the pack, and the
+    memory factor each needs (benchmarks/family_models.py, whose options follow)."""
+    return _run_pack_module(argv, "--family-models", "family_models")
+
+
 # ------------------------------------------------------------------------------------------------------
 # main
 # ------------------------------------------------------------------------------------------------------
@@ -792,6 +841,8 @@ def main(argv=None) -> int:
         return run_families(argv)
     if "--references" in argv:
         return run_references(argv)
+    if "--family-models" in argv:
+        return run_family_models(argv)
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)

@@ -6,7 +6,8 @@ and with two 1024^2 references, in one process:
     python -m benchmarks.bench --comfyui PATH --references [--refs 1,2] [--double 1] [--single 2] [--repeats 5]
 
 Rows: stock ComfyUI; the pack (High, block bounds) without the cache; with the cache, the step that fills it and
-a later step that reads it, for q8 in VRAM, q8 in RAM and 16 bits in VRAM. Time is the median call; the peak is
+a later step that reads it, for q8 in VRAM, q8 in RAM and 16 bits in VRAM; and, for comparison, the bf16 cache of
+ComfyUI's newer core rebuilt on v0.33's hooks (`CoreStyleCache`: stock attention, no pack). Time is the median call; the peak is
 CUDA's allocator peak above what was allocated before the call (weights, inputs and, in VRAM, the cache itself);
 `cache MiB` is what the cache holds, `cache VRAM MiB` what of it stays on the GPU between steps. Loaded by
 `benchmarks/bench.py` inside the package it makes for the pack. Not part of the node pack.
@@ -88,6 +89,64 @@ def measured(fn, repeats: int) -> tuple[float, float]:
     return statistics.median(times), peak
 
 
+class CoreStyleCache:
+    """For comparison: the bf16 reference K/V cache of ComfyUI's newer core (its FluxKVCache node, in releases
+    after v0.33.0), rebuilt from how it works on the hooks v0.33's Flux already has: an `attn1_patch` keeps each
+    block's reference keys/values (the last `reference_image_num_tokens` of the joint sequence, 16-bit, on the
+    GPU) at the first call and joins them to the call's keys/values at later calls (one concatenation per
+    attention); a `post_input` patch drops the reference tokens from the image stream once the cache is full;
+    references are modulated as at timestep zero, as that node sets."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def attn1_patch(self, q, k, v, extra_options=None, **_):
+        refs = sum((extra_options or {}).get("reference_image_num_tokens", []))
+        if not refs:
+            return {}
+        key = (extra_options["block_type"], extra_options["block_index"])
+        if key in self.kv:
+            cached_k, cached_v = self.kv[key]
+            return {"k": torch.cat((k, cached_k), dim=2), "v": torch.cat((v, cached_v), dim=2)}
+        self.kv[key] = (k[:, :, -refs:].clone(), v[:, :, -refs:].clone())
+        return {}
+
+    def post_input(self, inputs):
+        refs = sum(inputs["transformer_options"].get("reference_image_num_tokens", []))
+        if self.kv and refs:
+            inputs["img"] = inputs["img"][:, :-refs]
+        return inputs
+
+    def patched(self, base):
+        model = base.clone()
+        model.set_model_attn1_patch(self.attn1_patch)
+        model.set_model_post_input_patch(self.post_input)
+        model.add_object_patch("diffusion_model.params.default_ref_method", "index_timestep_zero")
+        return model
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for pair in self.kv.values() for t in pair)
+
+
+def run_core_style(base, kwargs: dict, repeats: int) -> list:
+    """Rows for `CoreStyleCache` (filling step, cached step), or one row saying why it does not run here."""
+    core = CoreStyleCache()
+    try:
+        model = core.patched(base)
+        before = _allocated()
+        fill_ms, fill_peak = measured(lambda: call(base, model, kwargs, 0.8), 1)
+        held = core.nbytes() / MiB
+        on_gpu = (_allocated() - before) / MiB
+        use_ms, use_peak = measured(lambda: call(base, model, kwargs, 0.6), repeats)
+    except Exception as error:  # noqa: BLE001 - reported, the pack's rows still stand
+        return [(f"core-style bf16 cache: does not run here ({type(error).__name__}: {error})"[:160],
+                 float("nan"), 0.0, 0.0, 0.0)]
+    finally:
+        core.kv.clear()
+    return [("core-style bf16 cache: filling step", fill_ms, fill_peak, held, on_gpu),
+            ("core-style bf16 cache: cached step", use_ms, use_peak, held, on_gpu)]
+
+
 def run(base, device, side: int, refs: int, backend: str, repeats: int, formats: list) -> list:
     kwargs = inputs(device, side, refs)
     rows = []
@@ -109,6 +168,7 @@ def run(base, device, side: int, refs: int, backend: str, repeats: int, formats:
             assert state.counts["use"] == repeats and not entry.refused, (state.counts, entry.refused)
         rows.append((f"cache {fmt} {storage}: filling step", fill_ms, fill_peak, held, on_gpu))
         rows.append((f"cache {fmt} {storage}: cached step", use_ms, use_peak, held, on_gpu))
+    rows += run_core_style(base, kwargs, repeats)
     return rows
 
 
@@ -139,9 +199,15 @@ def main(argv=None) -> int:
             print(f"| {name} | {ms:.1f} | {peak:.0f} | {held:.0f} | {on_gpu:.0f} |", flush=True)
         by_name = {name: (ms, held) for name, ms, _, held, _ in rows}
         uncached = by_name["pack, no cache"][0]
-        speed = ", ".join(f"{name.split(':')[0][6:]} {uncached / ms:.2f}x" for name, (ms, _) in by_name.items()
-                          if name.endswith("cached step"))
+        speed = ", ".join(f"{name.split(':')[0].removeprefix('cache ')} {uncached / ms:.2f}x"
+                          for name, (ms, _) in by_name.items() if name.endswith("cached step"))
         print(f"cached step vs the pack without cache: {speed} faster")
+        core = by_name.get("core-style bf16 cache: cached step", (None, 0))[0]
+        if core:
+            versus = ", ".join(f"{name.split(':')[0].removeprefix('cache ')} {ms / core:.2f}"
+                               for name, (ms, _) in by_name.items()
+                               if name.endswith("cached step") and name.startswith("cache "))
+            print(f"cached step time / the core-style bf16 cache's: {versus}")
         bytes16 = by_name.get("cache 16-bit vram: cached step", (0, 0))[1]
         for fmt in ("q8", "native"):
             held = next((h for name, (_, h) in by_name.items() if name.startswith(f"cache {fmt} ")), None)

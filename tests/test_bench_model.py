@@ -70,7 +70,23 @@ def test_the_reference_benchmark_runs_a_tiny_flux2(capsys):
                        "--repeats", "1", "--backend", "sdpa", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for row in ("| stock |", "| pack, no cache |", "| cache q8 vram: cached step |", "| cache q8 ram: cached step |",
-                "| cache 16-bit vram: cached step |"):
+                "| cache 16-bit vram: cached step |", "| core-style bf16 cache: cached step |"):
         assert row in out
+    assert "cached step time / the core-style bf16 cache's: q8 vram " in out   # core's way runs on v0.33's hooks
     ratio = float(out.split("q8 / 16-bit bytes ")[1].split()[0])
     assert 0.45 < ratio < 0.6
+
+
+def test_the_whole_model_benchmark_runs_every_family_tiny(capsys):
+    """`--family-models --tiny` (benchmarks/family_models.py): every family's whole model, cut down, runs stock
+    and patched through the same calls the GPU run makes, and the pack's output matches stock's."""
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    models = importlib.import_module(pack.__name__ + ".benchmarks.family_models")
+    assert models.main(["--tiny", "--device", "cpu", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for case in ("flux-dev-1024", "qwen-image-1328", "hunyuan-video-720p129", "ltxv-768x512x97", "lumina2-1024",
+                 "z-image-1024", "sd35-large-1024", "sd35-medium-1024", "cosmos-p2-2b-1280x704x93",
+                 "kandinsky5-lite-768x512x61", "hidream-i1-1024"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {case} |"))
+        assert float(row.rstrip(" |").split("|")[-1]) < 2e-2, row   # rel diff, bf16
