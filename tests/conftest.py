@@ -21,6 +21,9 @@ class _RootAsPlainDirectory:
 
 
 def pytest_configure(config):
+    # tests/test_browser.py (pyproject.toml's markers list the others)
+    config.addinivalue_line("markers", "browser: ComfyUI's server and frontend in headless Chromium "
+                                       "(skipped without Playwright, Chromium or the frontend package)")
     if not config.pluginmanager.has_plugin("qkv-root-as-plain-directory"):
         config.pluginmanager.register(_RootAsPlainDirectory(), "qkv-root-as-plain-directory")
 
