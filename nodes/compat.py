@@ -199,6 +199,14 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
     return reason
 
 
+SHORT_CALL_NOTICE = "ComfyUI's own forward on short sequences"
+
+
+class ShortCall(str):
+    """A refusal by design, not a fallback: a family whose forwards are slower than ComfyUI's on sequences under
+    the split floor runs ComfyUI's there (the log says so in other words than for a fallback)."""
+
+
 def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check: Callable) -> Callable:
     """The forward the pack installs: `ours(*args, **kwargs)`, or `stock(...)` when `refuse(args, kwargs)`
     gives a reason or `check(args, kwargs)` (the cached self-check) does. Each reason is logged once a run
@@ -214,6 +222,9 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
             reason = refuse(args, kwargs)
         if reason is None:
             reason = check(args, kwargs)
+        if isinstance(reason, ShortCall):
+            notice_once(f"short:{what}", f"[QKV] {what}: {SHORT_CALL_NOTICE} ({reason})")
+            return stock(*args, **kwargs)
         if reason is not None:
             notice_once(f"stock:{what}:{reason}", f"[QKV] {what} runs as ComfyUI's own: {reason}")
             return stock(*args, **kwargs)
@@ -297,7 +308,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
             tokens = max((value.shape[1] for value in bound.values() if torch.is_tensor(value) and value.dim() == 3),
                          default=None)
             if tokens is not None and tokens < floor:
-                return f"{tokens} tokens, under the split floor ({floor}): ComfyUI's own forward is faster there"
+                return ShortCall(f"{tokens} tokens, under the split floor of {floor}: faster there")
         if refuse_call is not None:
             reason = refuse_call(bound)
             if reason is not None:

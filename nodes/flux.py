@@ -32,7 +32,8 @@ from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_project
 FAMILY = "Flux"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
 # so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.85,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Flux-dev 2048^2 0.74 and HunyuanVideo 720p x 129 0.56 split, Flux-dev 1024^2 0.78 unsplit")
 WORKING_SETS = {"double": WorkingSet(stock=10.06, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py"),
                 "single": WorkingSet(stock=14.06, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py")}
 

@@ -43,7 +43,8 @@ from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_project
 
 FAMILY = "HiDream"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept.
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; HiDream-I1 1024^2 0.97 unsplit (split not measured)")
 WORKING_SETS = {"block": WorkingSet(stock=15.35, bounded_whole=3.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads, 4 experts; tests/test_hidream_adapter.py (double block; its experts run by chunks of 3 x |x|)")}
 
 IMAGE = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_rms_norm", norm_k="k_rms_norm")

@@ -44,7 +44,8 @@ from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_project
 
 FAMILY = "LTX"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=1.0,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; LTX-Video 2B 1216x704 x 121 0.72 split; unsplit: ComfyUI's own blocks run (short sequences)")
 WORKING_SETS = {"block": WorkingSet(stock=10.5, bounded_whole=2.24, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_ltx_memory.py (stock 11.0 on v0.33, 10.0 on v0.8.0)")}
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")

@@ -41,7 +41,8 @@ from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_project
 FAMILY = "Lumina2"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
 # so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+MEMORY_FACTORS = MemoryFactors(split=0.7, unsplit=1.0,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: ComfyUI's own blocks run")
 WORKING_SETS = {"lumina2": WorkingSet(stock=18.0, bounded_whole=1.95, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py"),
                 "zimage": WorkingSet(stock=14.0, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py")}
 

@@ -104,7 +104,10 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
     reference caches on `patcher`, the peak VRAM and the planner's estimate for the longest call seen."""
     tally = drain_tally()
     run.kernels, run.splits = tally.kernels, tally.splits
-    run.fallbacks = drain_notices()
+    notices = drain_notices()
+    by_design = [line for line in notices if compat.SHORT_CALL_NOTICE in line]   # not fallbacks: chosen
+    run.fallbacks = [line for line in notices if line not in by_design]
+    run.notes = by_design
     run.caches = reference_cache.summaries(patcher)
     if cuda:
         run.peak_bytes = torch.cuda.max_memory_allocated()

@@ -72,6 +72,7 @@ class RunReport:
         self.kernels: dict = {}
         self.splits: dict = {}
         self.fallbacks: list[str] = []
+        self.notes: list[str] = []   # what ran ComfyUI's own by design (short sequences of some families)
         self.caches: list[dict] = []
         self.plan = None          # planner.Plan for the run's shapes, or None
         self.level = None         # the level the run used (a key of the plan's levels)
@@ -100,6 +101,7 @@ class RunReport:
         if self.splits:
             out.append("head groups: " + ", ".join(f"{groups} (x{calls})" for groups, calls in self.splits.items()))
         out += [f"fallback: {line}" for line in self.fallbacks] or ["fallbacks: none"]
+        out += [f"note: {line}" for line in self.notes]
         for cache in self.caches:
             out.append(f"reference cache: {size(cache['bytes'])} {cache['format']} in {cache['storage']}"
                        f" ({cache['entries']} conditioning(s))"
@@ -118,7 +120,7 @@ class RunReport:
     def as_payload(self) -> dict:
         return {"family": self.family, "settings": self.settings, "ended": self.ended, "lines": self.lines(),
                 "backends": self.kernels, "head_groups": {str(k): v for k, v in self.splits.items()},
-                "fallbacks": list(self.fallbacks), "reference_caches": list(self.caches),
+                "fallbacks": list(self.fallbacks), "notes": list(self.notes), "reference_caches": list(self.caches),
                 "peak_bytes": self.peak_bytes, "stock_estimate_bytes": self.stock_estimate_bytes,
                 "estimate_bytes": self.estimate_bytes, "level": self.level,
                 "plan": None if self.plan is None else self.plan.as_dict()}

@@ -36,7 +36,8 @@ from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_project
 FAMILY = "SD3"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
 # so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0, measured="not measured: ComfyUI's estimate kept")
+MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=1.0,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; SD3.5 Large 2048^2 0.39 split (Medium not measured); unsplit: ComfyUI's own blocks run")
 WORKING_SETS = {"joint": WorkingSet(stock=19.21, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Large)"),
                 "joint_self_attention": WorkingSet(stock=27.21, bounded_whole=3.06, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Medium: x's second attention)")}
 

@@ -1,6 +1,7 @@
 """One tiny random-weight model per adapted family, built from ComfyUI's own config classes, for the contract test
-(tests/test_family_contract.py). Each case's forward sees more tokens (all batch items) than the runtime's split
-floor (8,192), so the head split runs as it does on real sizes.
+(tests/test_family_contract.py). Each case's forward is two batch items (cond + uncond) of 4,096+ tokens each; the
+contract test lowers the runtime's split floor (8,192 tokens of one item) to 4,096, so the head split runs as on
+real sizes.
 
 A case: `build()` -> `Case` with the ModelPatcher, fresh forward inputs of its diffusion model, the key of one
 fused or q projection weight (for a LoRA), and conditioning for a short `comfy.sample.sample` run.

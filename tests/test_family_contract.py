@@ -18,9 +18,19 @@ pytestmark = pytest.mark.comfyui
 LEVELS = ("Off", "Low", "Medium", "High")
 
 
+# The cases are cond + uncond of 4,096+ tokens each (tests/family_cases.py): the head split is decided per batch
+# item, and real sizes split from 8,192 tokens an item. Half that here keeps the cases small and the split on,
+# with the text streams as short as on real sizes (projected whole).
+CASE_SPLIT_FLOOR = 4096
+
+
 @pytest.fixture(scope="module")
 def env():
-    return comfy_env.pack_modules()
+    modules = comfy_env.pack_modules()
+    floor = modules.core.head_split.SPLIT_FLOOR_TOKENS
+    modules.core.head_split.SPLIT_FLOOR_TOKENS = CASE_SPLIT_FLOOR
+    yield modules
+    modules.core.head_split.SPLIT_FLOOR_TOKENS = floor
 
 
 def _forward(case, applied=None, weights=False):
