@@ -17,7 +17,7 @@ from .q8 import dequantize_q8, dequantize_q8_into, merge_lse_, quantize_q8
 from .tally import Tally, drain_tally
 from .runtime import cross_qkv_attention, joint_qkv_attention, kv_first_attention, qkv_attention, rows_
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention", "rows_",
