@@ -469,8 +469,16 @@ def main(argv=None) -> int:
     unknown = [name for name in names if name not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {', '.join(unknown)}; the cases are {', '.join(CASES)}")
+    floor = head_split.SPLIT_FLOOR_TOKENS
     if args.tiny:
         head_split.SPLIT_FLOOR_TOKENS = TINY_SPLIT_FLOOR
+    try:
+        return _run(args, names, device)
+    finally:
+        head_split.SPLIT_FLOOR_TOKENS = floor   # the process (a test run) keeps the runtime's own
+
+
+def _run(args, names, device) -> int:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA: a smoke run, no peaks)"
     print(f"{gpu}; torch {torch.__version__}; ComfyUI {comfyui_version()}; pack: High, block bounds, backend "

@@ -327,14 +327,18 @@ def make_workload(bench):
             if scale == 1:
                 return []
             return [f"The pack's token-chunk minimum (nodes/comfy_ops.chunk_tokens) is scaled alike: "
-                    f"{CHUNK_MIN_TOKENS} -> {max(1, math.ceil(CHUNK_MIN_TOKENS / scale))} tokens."]
+                    f"{CHUNK_MIN_TOKENS} -> {max(1, math.ceil(CHUNK_MIN_TOKENS / scale))} tokens; and the prompt: "
+                    f"{TEXT_TOKENS} -> {max(1, round(TEXT_TOKENS / scale))} text tokens."]
 
         def setup(self, case, device, dtype, args):
             block = build_block(device, dtype, args.seed, WEIGHT_DTYPES[args.weight_dtype], args.gguf_pack)
             generator = torch.Generator(device="cpu").manual_seed(args.seed + 1)
             x0 = torch.randn(1, case.tokens, WIDTH, generator=generator).to(device=device, dtype=dtype)
             e = (torch.randn(1, 1, 6, WIDTH, generator=generator) * 0.1).to(device=device, dtype=dtype)
-            context = torch.randn(1, TEXT_TOKENS, WIDTH, generator=generator).to(device=device, dtype=dtype)
+            # the prompt is scaled with the video: unscaled, its 512 tokens beside a scaled run's ~1,000 video
+            # tokens weighed 30x more than at full size (a CPU run at 480p read 4.51 x |x| at High, the H200 2.41)
+            text_tokens = max(1, round(TEXT_TOKENS * case.tokens / case.full_tokens))
+            context = torch.randn(1, text_tokens, WIDTH, generator=generator).to(device=device, dtype=dtype)
             freqs = rope_freqs(case.grid, case.tokens, device, dtype)
             inputs = dict(e=e, freqs=freqs, context=context)
             live = [block, x0, e, freqs, context]

@@ -27,7 +27,8 @@ class MemoryFactors:
 
 #: What the head groups hold of the q/k/v of every head, in multiples of |x| (divided among the groups): fitted on
 #: Wan's block at every level (CPU MemTracker, bf16, 16 heads: Off 4.50, Low 2.78, Medium 2.52, High 2.40 x |x|;
-#: with bounded_whole 2.05 the estimates are 4.50, 2.66, 2.36, 2.20, within 15% of every format's measurement).
+#: with bounded_whole 1.99 the estimates are 4.44, 2.60, 2.30, 2.14, within 15% of every format's measurement:
+#: High measured 1.90-1.96 with fp8-scaled weights, 2.40-2.45 with bf16, fp8 and GGUF).
 PER_GROUP = 2.45
 
 

@@ -105,7 +105,8 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
     tally = drain_tally()
     run.kernels, run.splits = tally.kernels, tally.splits
     notices = drain_notices()
-    by_design = [line for line in notices if compat.SHORT_CALL_NOTICE in line]   # not fallbacks: chosen
+    # not fallbacks: chosen (a family's short sequences on ComfyUI's forwards, auto passing a backend by)
+    by_design = [line for line in notices if compat.SHORT_CALL_NOTICE in line or line.startswith("[Attention] auto:")]
     run.fallbacks = [line for line in notices if line not in by_design]
     run.notes = by_design
     run.caches = reference_cache.summaries(patcher)

@@ -37,7 +37,7 @@ STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched modules need
 # less, so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.8,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Qwen-Image 1328^2 0.76 unsplit (split not measured: the unsplit factor)")
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Qwen-Image 1328^2 0.76 unsplit; the split runs take the unsplit factor (no split run measured)")
 WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 
 FORM = AttentionForm(streams=(

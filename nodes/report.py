@@ -91,7 +91,9 @@ class RunReport:
             return None
         return max(self.peak_bytes, self.peak_bytes - self.estimate_bytes + self.plan.stock_bytes)
 
-    def lines(self) -> list[str]:
+    def lines(self, notices_logged: bool = False) -> list[str]:
+        """The report as text; `notices_logged`: the fallbacks and notes were logged as they happened (the log
+        block then counts them instead of repeating them)."""
         out = [f"{self.family} ({self.settings}), run {self.ended}"]
         out += self.patch.lines()   # "Wan: 40 self_attn patched", "...: <path> runs as before: <reason>"
         if self.kernels:
@@ -100,8 +102,12 @@ class RunReport:
             out.append("attention: no call went through the pack")
         if self.splits:
             out.append("head groups: " + ", ".join(f"{groups} (x{calls})" for groups, calls in self.splits.items()))
-        out += [f"fallback: {line}" for line in self.fallbacks] or ["fallbacks: none"]
-        out += [f"note: {line}" for line in self.notes]
+        if notices_logged:
+            out.append(f"fallbacks: {len(self.fallbacks) or 'none'}, notes: {len(self.notes) or 'none'} "
+                       f"(each logged above when it happened)")
+        else:
+            out += [f"fallback: {line}" for line in self.fallbacks] or ["fallbacks: none"]
+            out += [f"note: {line}" for line in self.notes]
         for cache in self.caches:
             out.append(f"reference cache: {size(cache['bytes'])} {cache['format']} in {cache['storage']}"
                        f" ({cache['entries']} conditioning(s))"
@@ -126,4 +132,4 @@ class RunReport:
                 "plan": None if self.plan is None else self.plan.as_dict()}
 
     def log(self) -> None:
-        logger.info("[QKV] run report:\n%s", "\n".join(f"  {line}" for line in self.lines()))
+        logger.info("[QKV] run report:\n%s", "\n".join(f"  {line}" for line in self.lines(notices_logged=True)))

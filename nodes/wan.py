@@ -37,7 +37,7 @@ FAMILY = "Wan"
 # over ComfyUI's estimate: A / E = 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the
 # rest is the model around the blocks and ComfyUI's weight streaming), r = 0.84 without it.
 MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0")
-WORKING_SETS = {"block": WorkingSet(stock=9.0, bounded_whole=2.05, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")}
+WORKING_SETS = {"block": WorkingSet(stock=9.0, bounded_whole=1.99, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")}
 
 
 def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:

@@ -43,6 +43,7 @@ Prompt helpers: ``load_custom_node`` (ComfyUI's own loader) and ``run_prompt`` (
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.machinery
 import importlib.util
 import inspect
@@ -465,6 +466,18 @@ def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, 
         module.__package__ = name
         sys.modules[name] = module
     return module
+
+
+@contextlib.contextmanager
+def split_floor(modules, tokens: int):
+    """The runtime's split floor set to `tokens` (of one batch item) inside, restored after: tests whose tiny
+    models run cond + uncond of ~4k tokens each split as real sizes (8,192+ tokens an item) do."""
+    saved = modules.core.head_split.SPLIT_FLOOR_TOKENS
+    modules.core.head_split.SPLIT_FLOOR_TOKENS = tokens
+    try:
+        yield modules
+    finally:
+        modules.core.head_split.SPLIT_FLOOR_TOKENS = saved
 
 
 def pack_modules():

@@ -26,11 +26,8 @@ CASE_SPLIT_FLOOR = 4096
 
 @pytest.fixture(scope="module")
 def env():
-    modules = comfy_env.pack_modules()
-    floor = modules.core.head_split.SPLIT_FLOOR_TOKENS
-    modules.core.head_split.SPLIT_FLOOR_TOKENS = CASE_SPLIT_FLOOR
-    yield modules
-    modules.core.head_split.SPLIT_FLOOR_TOKENS = floor
+    with comfy_env.split_floor(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
+        yield modules
 
 
 def _forward(case, applied=None, weights=False):

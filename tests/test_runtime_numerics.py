@@ -2,8 +2,9 @@
 
 Every configuration is run at each head-split level 0-3 and compared with one float64 reference (tight
 float32 tolerance), and the split levels are compared with level 0 (the unsplit SDPA path) to float round-off.
-Long self-attention sequences (>= 8192 query tokens over all batch items, so that a split really runs) are
-checked on a sample of query rows against the reference (every row is checked between levels).
+The runtime splits calls of 8,192+ tokens an item; these tests lower that floor to ITEM_FLOOR (1,024) so that
+batches of short sequences split too and stay small (the floor's own rule is tested at its real value below).
+Long sequences are checked on a sample of query rows against the reference (every row between levels).
 """
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ TOL_REF = 1e-5      # float32 vs float64, relative to max|ref|
 TOL_SPLIT = 2e-6    # float32 split vs unsplit: ~1e-6 (mean squares summed by groups of heads round differently)
 TOL_SPLIT_BF16 = 1e-2  # observed ~3e-3
 TOL_REF_BF16 = 2e-2    # observed ~6e-3
+ITEM_FLOOR = 1024      # the split floor these tests run with (the runtime's: 8,192 tokens of one item)
+REAL_FLOOR = 8192
+
+
+@pytest.fixture(autouse=True)
+def item_floor(monkeypatch):
+    monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", ITEM_FLOOR)
 
 
 
@@ -162,7 +170,7 @@ def test_self_attention(case):
     norm = make_norm(norm_kind, kvh)
     prefix, ref_prefix = make_prefix(prefix_kind, b, kvh)
     ptoks = 0 if ref_prefix is None else ref_prefix[0].shape[1]
-    long = b * tokens >= 8192
+    long = tokens >= ITEM_FLOOR
     mask = make_mask(mask_kind, b, tokens, ptoks + tokens, torch.float32, dense=not long)
     rows = sample_rows(tokens) if long else None
     ref = reference([(x, qp)], [(x, kp, vp)], H, D, kvh, norm=norm, kv_prefix=ref_prefix, mask=mask, rows=rows)
@@ -174,9 +182,9 @@ def test_self_attention(case):
         assert out.shape == (b, tokens, H, D) and out.dtype == torch.float32
         return out, rec.count()
 
-    check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, b * tokens, lvl))
+    check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, tokens, lvl))
     if long:
-        assert qc.group_count(kvh, b * tokens, 3) > 1
+        assert qc.group_count(kvh, tokens, 3) > 1
 
 
 def test_self_attention_full_rows_check():
@@ -240,7 +248,7 @@ def test_joint_streams(case):
     norm = make_norm(norm_kind, kvh)
     prefix, ref_prefix = make_prefix(prefix_kind, b, kvh)
     ptoks = 0 if ref_prefix is None else ref_prefix[0].shape[1]
-    long = b * n >= 8192
+    long = n >= ITEM_FLOOR
     mask = make_mask(mask_kind, b, n, ptoks + n, torch.float32, dense=not long)
     rows = sample_rows(n, boundaries=(n1,)) if long else None
     ref = reference([(x1, s1[0]), (x2, s2[0])], [(x1, s1[1], s1[2]), (x2, s2[1], s2[2])], H, D, kvh,
@@ -253,7 +261,7 @@ def test_joint_streams(case):
         assert out.shape == (b, n, H, D)
         return out, rec.count()
 
-    check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, b * n, lvl))
+    check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, n, lvl))
 
 
 # --- cross attention -----------------------------------------------------------------------------------
@@ -294,8 +302,8 @@ def test_cross_attention(case):
         return out, rec.count()
 
     # the longer of the two sequences decides the split
-    _, counts = check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, b * max(nq, nk), lvl))
-    if b * max(nq, nk) >= 8192:
+    _, counts = check_levels(run, ref, rows, expect=lambda lvl: qc.group_count(kvh, max(nq, nk), lvl))
+    if max(nq, nk) >= ITEM_FLOOR:
         assert counts[3] > 1
 
 
@@ -566,7 +574,8 @@ def test_unsliceable_long_context_in_cross_runs_unsplit(caplog):
 
 
 # --- group counts --------------------------------------------------------------------------------------
-def test_group_count_rule():
+def test_group_count_rule(monkeypatch):
+    monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", REAL_FLOOR)
     # divisor of kv_heads closest to the target 1/4/8/16, ties to the smaller
     assert [qc.group_count(40, 8192, lvl) for lvl in range(4)] == [1, 4, 8, 20]
     assert [qc.group_count(24, 8192, lvl) for lvl in range(4)] == [1, 4, 8, 12]  # 12 vs 24 from 16
@@ -604,11 +613,12 @@ def test_head_groups():
 
 @pytest.mark.parametrize("batch,tokens,level,expected", [
     (1, 8192, 1, 4), (1, 8192, 2, 8), (1, 8192, 3, 20), (1, 8192, 0, 1),
-    (2, 4096, 3, 20),   # the floor counts all batch items together
-    (2, 4095, 3, 1), (1, 8191, 3, 1),
+    (2, 4096, 3, 1),    # the floor counts the tokens of one batch item (cond + uncond do not add up)
+    (2, 8192, 3, 20), (1, 8191, 3, 1),
 ])
-def test_group_count_used_by_a_call(batch, tokens, level, expected):
+def test_group_count_used_by_a_call(batch, tokens, level, expected, monkeypatch):
     """40 kv heads: an attention_fn records the group ranges the call really used."""
+    monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", REAL_FLOOR)
     heads, d = 40, 4
     qp, kp, vp = make_qkv(16, heads, d, seed=130)
     x = randn(batch, tokens, 16, seed=131)
@@ -625,7 +635,8 @@ def test_group_count_used_by_a_call(batch, tokens, level, expected):
     assert [(g.q, g.kv) for g in groups] == [(range(i * per, (i + 1) * per),) * 2 for i in range(expected)]
 
 
-def test_cross_group_count_uses_longer_sequence():
+def test_cross_group_count_uses_longer_sequence(monkeypatch):
+    monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", REAL_FLOOR)
     heads, d = 40, 4
     qp, kp, vp = make_qkv(16, heads, d, seed=132)
     groups = []
@@ -638,7 +649,7 @@ def test_cross_group_count_uses_longer_sequence():
                            attention_fn=fn, head_split_level=2)
     assert len(groups) == 8
     groups.clear()
-    qc.cross_qkv_attention([randn(2, 32, 16, seed=1)], [randn(1, 4096, 16, seed=2)], qp, kp, vp, heads, d,
+    qc.cross_qkv_attention([randn(2, 32, 16, seed=1)], [randn(1, 8192, 16, seed=2)], qp, kp, vp, heads, d,
                            attention_fn=fn, head_split_level=2)  # context of batch 1 serves batch 2
     assert len(groups) == 8
 

@@ -16,6 +16,12 @@ from reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_qkv, ma
 H, D, FEAT = 8, 32, 64
 NAME = "fake-staged"
 TOL = 1e-6
+ITEM_FLOOR = 512   # the split floor these tests run with: batches of 16 x 512 tokens split (runtime: 8,192 an item)
+
+
+@pytest.fixture(autouse=True)
+def item_floor(monkeypatch):
+    monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", ITEM_FLOOR)
 
 
 class FakeCore(qc.StagedCore):

@@ -23,7 +23,9 @@ KINDS = ("t2v", "i2v", "wan22_5b", "vace")
 
 @pytest.fixture(scope="module")
 def env():
-    return comfy_env.pack_modules()
+    # cond + uncond of 4,224 tokens each: split as 8,192+ tokens an item are (the floor counts one item)
+    with comfy_env.split_floor(comfy_env.pack_modules(), 4096) as modules:
+        yield modules
 
 
 def inputs(patcher, kind):
@@ -312,10 +314,20 @@ def test_every_adapter_meets_the_family_contract(env):
         assert factors.unsplit == 1 or "not measured" not in factors.measured
     assert {adapter.FAMILY for adapter in env.node.ADAPTERS} >= {"Wan", "Flux", "Qwen-Image", "Lumina2"}
     broken = SimpleNamespace(FAMILY="Broken", matches=lambda m: False)
-    with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, patch, "):
+    with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, WORKING_SETS, patch, "):
         family.check_adapter(broken)
-    inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in (
-        "FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections")},
-        MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
+    names = ("FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections",
+             "block_kinds", "WORKING_SETS")
+    inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in names},
+                               MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
     with pytest.raises(ValueError, match=r"0 < split <= unsplit <= 1"):
         family.check_adapter(inverted)
+    # the planner's working sets: the pack's bounded block below stock's, for every kind of block
+    for adapter in env.node.ADAPTERS:
+        for kind, working_set in adapter.WORKING_SETS.items():
+            assert working_set.bounded(16) < working_set.bounded(1) < working_set.stock, (adapter.FAMILY, kind)
+    odd = SimpleNamespace(**{name: getattr(env.wan, name) for name in names[:-1]},
+                          MEMORY_FACTORS=env.wan.MEMORY_FACTORS,
+                          WORKING_SETS={"block": family.WorkingSet(stock=1.0, bounded_whole=3.0, measured="test")})
+    with pytest.raises(ValueError, match=r"working set is out of order"):
+        family.check_adapter(odd)

@@ -20,14 +20,16 @@ import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
-SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: above the split floor
+SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: above the (lowered) split floor
 SMALL = dict(frames=2, h=16, w=24, batch=2)  # 2 x 192 tokens: semantics only (the self-check splits anyway)
 MODEL = dict(dim=256, heads=8, layers=1)
 
 
 @pytest.fixture(scope="module")
 def env():
-    return comfy_env.pack_modules()
+    # cond + uncond of 4,224 tokens each: split as 8,192+ tokens an item are (the floor counts one item)
+    with comfy_env.split_floor(comfy_env.pack_modules(), 4096) as modules:
+        yield modules
 
 
 @pytest.fixture(autouse=True)
