@@ -91,10 +91,13 @@ def make_run_wrapper(config: QKVConfig, adapter, patch_report: PatchReport, node
             raise
         finally:
             base_model.memory_usage_factor = stock_factor
-            finish_report(run, patcher, adapter, diffusion_model, shape, config, cuda)
-            run.log()
-            if node_id is not None:
-                send_to_ui(UI_EVENT, {"node": str(node_id), "report": run.as_payload()})
+            try:   # a report must never fail the run, nor hide the error that ended it
+                finish_report(run, patcher, adapter, diffusion_model, shape, config, cuda)
+                run.log()
+                if node_id is not None:
+                    send_to_ui(UI_EVENT, {"node": str(node_id), "report": run.as_payload()})
+            except Exception as error:  # noqa: BLE001
+                logger.warning("[QKV] no run report for this run: %s: %s", type(error).__name__, error)
 
     return outer_sample
 
@@ -115,11 +118,8 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
     if adapter is not None and shape is not None:
         tokens = adapter.tokens_per_item(diffusion_model, shape)
         batch = max(1, round(tally.largest_call / tokens)) if tokens and tally.largest_call else None
-        try:
-            run.plan = planner.plan(adapter, diffusion_model, shape, config, batch=batch,
-                                    dtype=planner.compute_dtype(patcher.model))
-        except Exception as error:   # an estimate must never fail a finished run
-            logger.warning("[QKV] no memory estimate for this run: %s", error)
+        run.plan = planner.plan(adapter, diffusion_model, shape, config, batch=batch,
+                                dtype=planner.compute_dtype(patcher.model))
         run.level = LEVELS[config.level]
 
 

@@ -182,3 +182,20 @@ def test_planner_node_shows_every_level(loaded):  # noqa: F811
     odd.model.diffusion_model.blocks = torch.nn.ModuleList()   # no Wan blocks: not a Wan the pack knows
     text = planner_node.execute(odd, {"samples": torch.zeros(1, 16, 2, 8, 8)}, True, True).result[0]
     assert "no estimate" in text
+
+
+def test_a_failing_report_does_not_fail_the_run(loaded, monkeypatch, caplog):  # noqa: F811
+    """The browser message raising (a server going away, say) leaves the run and its result alone."""
+    import sys
+    _, suffix = loaded
+
+    def broken(event, payload):
+        raise ConnectionError("the browser went away")
+    for name, module in list(sys.modules.items()):
+        if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrapper"):
+            monkeypatch.setattr(module, "send_to_ui", broken)
+    with caplog.at_level(logging.WARNING, logger="ComfyUI-QKV"):
+        ex = comfy_env.run_prompt(_prompt(suffix, "no-report", {"head_split": "High", "attention_backend": "auto",
+                                                                "block_bounds": True}))
+    assert ex.success, comfy_env.execution_error(ex)
+    assert "no run report for this run: ConnectionError: the browser went away" in caplog.text
