@@ -36,7 +36,7 @@ FAMILY = "Cosmos"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
 MEMORY_FACTORS = MemoryFactors(split=0.65, unsplit=1.0,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Cosmos predict2 2B 1280x704 x 93 0.55 split (unsplit not measured)")
-WORKING_SETS = {"block": WorkingSet(stock=11.08, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_cosmos_memory.py")}
+WORKING_SETS = {"block": WorkingSet(stock=12.3, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_cosmos_memory.py (stock 11.08 on v0.33, 14.00 on v0.8.0)")}
 
 STREAM = StreamProjections(q="q_proj", k="k_proj", v="v_proj", norm_q="q_norm", norm_k="k_norm")
 ROTATED = AttentionForm(streams=(STREAM,), norm=NORM_PER_HEAD, rope=ROPE_SPLIT_HALF)   # self-attention

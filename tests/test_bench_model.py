@@ -70,9 +70,12 @@ def test_the_reference_benchmark_runs_a_tiny_flux2(capsys):
                        "--repeats", "1", "--backend", "sdpa", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for row in ("| stock |", "| pack, no cache |", "| cache q8 vram: cached step |", "| cache q8 ram: cached step |",
-                "| cache 16-bit vram: cached step |", "| core-style bf16 cache: cached step |"):
+                "| cache 16-bit vram: cached step |"):
         assert row in out
-    assert "cached step time / the core-style bf16 cache's: q8 vram " in out   # core's way runs on v0.33's hooks
+    # core's way runs on v0.33's hooks (its Flux names the reference tokens); older ComfyUI: one row says why not
+    if "| core-style bf16 cache: does not run here" not in out:
+        assert "| core-style bf16 cache: cached step |" in out
+        assert "cached step time / the core-style bf16 cache's: q8 vram " in out
     ratio = float(out.split("q8 / 16-bit bytes ")[1].split()[0])
     assert 0.45 < ratio < 0.6
 
