@@ -41,7 +41,7 @@ class AttentionOptions:
     fused_quant: Optional[Callable] = None
     # the fraction (0-1) of groups whose keys the statistics pass keeps for them
     keep_keys: Optional[float] = None
-    # the fewest tokens (all batch items) that are split; default `head_split.SPLIT_FLOOR_TOKENS`
+    # the fewest tokens (of one batch item) that are split; default `head_split.SPLIT_FLOOR_TOKENS`
     split_floor_tokens: Optional[int] = None
     # (layer, start, stop): the keys/values of key/value tokens [start, stop) stored into `layer` (a
     # `PrefixLayer`) for later calls' `kv_prefix` (capture.py)
