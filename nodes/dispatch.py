@@ -12,11 +12,14 @@ import torch
 
 import comfy.ldm.modules.attention as comfy_attention
 
-from ..qkv_core import backend_names, head_split, pay_attention, split_plan
+from ..qkv_core import LEVEL_NAMES, backend_names, head_split, pay_attention, split_plan
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import count_attention
 
 AUTO, COMFY = "auto", "comfy"
+
+
+LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)   # the node's names: Off, Low, Medium, High
 
 
 class QKVConfig(NamedTuple):
@@ -30,8 +33,7 @@ class QKVConfig(NamedTuple):
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
-        level = ("Off", "Low", "Medium", "High")[self.level]
-        return f"{level}, {'block bounds' if self.block else 'attention only'}, backend {self.backend}"
+        return f"{LEVELS[self.level]}, {'block bounds' if self.block else 'attention only'}, backend {self.backend}"
 
 
 def backend_choices() -> list[str]:

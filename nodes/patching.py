@@ -7,15 +7,14 @@ import torch
 
 import comfy.patcher_extension
 
-from ..qkv_core import LEVEL_NAMES, drain_notices, drain_tally, reset_notices, split_plan
+from ..qkv_core import drain_notices, drain_tally, reset_notices, split_plan
 from . import (compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lumina, planner, qwen_image,
                reference_cache, sd3, wan)
-from .dispatch import QKVConfig, backend_choices, split_floor
+from .dispatch import LEVELS, QKVConfig, backend_choices, split_floor
 from .family import check_adapter
 from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui
 
 ADAPTERS = (wan, flux, lumina, qwen_image, kandinsky5, ltx, sd3, cosmos, hidream)
-LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)  # Off, Low, Medium, High
 WRAPPER_KEY = "comfyui_qkv"
 
 for _adapter in ADAPTERS:   # each meets nodes/family.py's contract (a clear error at import otherwise)

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..qkv_core import split_plan
-from .dispatch import QKVConfig, split_floor
+from .dispatch import LEVELS, QKVConfig, split_floor
 from .report import size
 
 WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
@@ -86,7 +86,7 @@ def working_sets(adapter, diffusion_model) -> dict:
 
 
 def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optional[int] = None,
-         dtype: Optional[torch.dtype] = None, levels=("Off", "Low", "Medium", "High")) -> Optional[Plan]:
+         dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
     """The estimate for `adapter`'s `diffusion_model` called on a latent of `latent_shape` (`batch` items per
     call: the latent's batch, doubled where ComfyUI runs cond and uncond together), activations in `dtype`
     (`compute_dtype`; default bf16), or None when the shapes cannot be read (said by the caller)."""
@@ -103,9 +103,7 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     kv_heads = adapter.kv_heads(diffusion_model) or 2
     unsliceable = adapter.splits_projections(diffusion_model)
     plans = []
-    for index, name in enumerate(("Off", "Low", "Medium", "High")):
-        if name not in levels:
-            continue
+    for index, name in enumerate(LEVELS):
         split = split_plan(kv_heads, tokens, index, split_floor(config), unsliceable=unsliceable)
         factor = max(ws.bounded(split.groups) if config.block else ws.stock for ws in sets.values())
         plans.append(LevelPlan(name, split.groups, int(factor * x_bytes), split.reason or ""))
