@@ -12,6 +12,9 @@ Qwen convention, `out[2i + r] = f[i, r, 0] * x[2i] + f[i, r, 1] * x[2i + 1]`) in
 One pass over the tensor instead of PyTorch's several (each with float32 temporaries), and one launch
 instead of one per chunk. Runs on CUDA with Triton installed, or anywhere with `TRITON_INTERPRET=1` (tests).
 Returns False when it cannot run; the caller then takes its PyTorch path (same math).
+
+`smooth_quantize_k_per_thread`: SageAttention 2's key smoothing (`k -= mean`) and its per-thread int8 quantizer
+in one pass (its sm90 staged core).
 """
 from __future__ import annotations
 
@@ -88,6 +91,40 @@ if triton is not None:
                          + tl.arange(0, BLOCK_T // 2), tl.reshape(scale, (BLOCK_T // 2,)))
             else:
                 tl.store(ptrs, x.to(raw.dtype), mask=mask)
+
+    @triton.jit
+    def _smooth_quantize_k_kernel(k_ptr, m_ptr, v_ptr, s_ptr, tokens,
+                                  stride_kb, stride_kt, stride_kh, stride_mb, stride_mh,
+                                  stride_vb, stride_vt, stride_vh, stride_sb, stride_sh,
+                                  DIM: tl.constexpr, TILE: tl.constexpr):
+        # SageAttention 2's per-thread k layout: program (4 tile + j) of a head covers the rows 8 i + 2 j and
+        # 8 i + 2 j + 1 of a tile of TILE keys, one scale for both. The key minus its head's mean, rounded to the
+        # key's dtype (what `k -= mean` would store), then its quantizer's arithmetic.
+        tile, lane = tl.program_id(0) // 4, tl.program_id(0) % 4
+        head, batch = tl.program_id(1), tl.program_id(2)
+        c = tl.arange(0, DIM)
+        t0 = tile * TILE + tl.arange(0, TILE // 8) * 8 + lane * 2
+        t1 = t0 + 1
+        mean = tl.load(m_ptr + batch * stride_mb + head * stride_mh + c).to(tl.float32)[None, :]
+        base = k_ptr + batch * stride_kb + head * stride_kh + c[None, :]
+        raw0 = tl.load(base + t0[:, None] * stride_kt, mask=(t0 < tokens)[:, None], other=0.0)
+        raw1 = tl.load(base + t1[:, None] * stride_kt, mask=(t1 < tokens)[:, None], other=0.0)
+        # rounded as PyTorch rounds on a GPU (to nearest even; Triton's interpreter truncates bf16 instead)
+        x0 = (raw0.to(tl.float32) - mean).to(raw0.dtype).to(tl.float32)
+        x1 = (raw1.to(tl.float32) - mean).to(raw1.dtype).to(tl.float32)
+        # rows past the end are zeros in the unfused quantizer's load, not minus the mean
+        x0 = tl.where((t0 < tokens)[:, None], x0, 0.0)
+        x1 = tl.where((t1 < tokens)[:, None], x1, 0.0)
+        scale = tl.maximum(tl.max(tl.max(tl.abs(x0), axis=1), axis=0),
+                           tl.max(tl.max(tl.abs(x1), axis=1), axis=0)) / 127. + 0.0000001
+        x0 = x0 / scale
+        x1 = x1 / scale
+        x0 += 0.5 * tl.where(x0 >= 0, 1, -1)
+        x1 += 0.5 * tl.where(x1 >= 0, 1, -1)
+        out = v_ptr + batch * stride_vb + head * stride_vh + c[None, :]
+        tl.store(out + t0[:, None] * stride_vt, x0.to(tl.int8), mask=(t0 < tokens)[:, None])
+        tl.store(out + t1[:, None] * stride_vt, x1.to(tl.int8), mask=(t1 < tokens)[:, None])
+        tl.store(s_ptr + batch * stride_sb + head * stride_sh + tl.program_id(0), scale)
 
     @triton.jit
     def _dequantize_q8_kernel(v_ptr, s_ptr, o_ptr, tokens,
@@ -184,6 +221,31 @@ def norm_rope_quantize_per_thread(t: torch.Tensor, inverse_rms: Optional[torch.T
 
 
 PER_THREAD_Q_TILE = 64   # SageAttention 2's sm90 q tile: its scales cover whole tiles
+PER_THREAD_K_TILE = 128  # its k tile: four scales each (`_smooth_quantize_k_kernel`)
+
+
+def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """`k - mean` quantized to SageAttention 2's per-thread int8 k layout in one pass, where the unfused path
+    runs `k -= mean` (a pass over k in place) and then its quantizer: (int8 `(B, N, h, D)`, float32 scales
+    `(B, h, ceil(N / 128) * 4)`), bitwise what those two steps give. `k` `(B, N, h, D)` 16-bit, rows contiguous
+    (not changed); `mean` `(B or 1, 1, h, D)` in k's dtype. None when the kernel cannot take the call."""
+    if not can_run(k) or not _cuda_capable(k) or k.dtype not in (torch.float16, torch.bfloat16) \
+            or not _dtype_runs(k) or k.dim() != 4 or k.stride(-1) != 1 or k.numel() == 0:
+        return None
+    batch, tokens, heads, dim = k.shape
+    if dim & (dim - 1) or dim < 16 or dim > 256 or mean.dtype != k.dtype or mean.device != k.device or \
+            mean.dim() != 4 or mean.shape[1:] != (1, heads, dim) or mean.shape[0] not in (1, batch) or \
+            mean.stride(-1) != 1:
+        return None
+    values = torch.empty(k.shape, dtype=torch.int8, device=k.device)
+    count = -(-tokens // PER_THREAD_K_TILE) * 4
+    scales = torch.empty((batch, heads, count), dtype=torch.float32, device=k.device)
+    _smooth_quantize_k_kernel[(count, heads, batch)](
+        k, mean, values, scales, tokens, k.stride(0), k.stride(1), k.stride(2),
+        0 if mean.shape[0] == 1 else mean.stride(0), mean.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), scales.stride(0), scales.stride(1),
+        DIM=dim, TILE=PER_THREAD_K_TILE)
+    return values, scales
 
 
 def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,

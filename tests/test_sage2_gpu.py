@@ -182,3 +182,19 @@ def test_fused_norm_rope_quantize_equals_sageattention_quantizer():
     want_values, want_scales = quantize_per_thread(normed, "q")
     values, scales = kernels.norm_rope_quantize_per_thread(view, inv, weight, None)
     assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the sm90 kernel's k layout")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_smooth_quantize_k_equals_sageattention_steps(dtype):
+    """The key smoothing and the per-thread k quantizer in one pass (`kernels.smooth_quantize_k_per_thread`):
+    bitwise `k -= mean` then SageAttention 2's own quantizer, on a strided head group with a partial tile."""
+    from qkv_core import kernels
+    from qkv_core.sage2 import quantize_per_thread
+    storage = qkv(1, 4001, 6, 128, seed=5)[1].to(dtype)
+    k = storage[:, :, 1:4]
+    mean = k.mean(dim=1, keepdim=True)
+    values, scales = kernels.smooth_quantize_k_per_thread(k, mean)
+    want_values, want_scales = quantize_per_thread(k - mean, "k")
+    assert torch.equal(values, want_values) and torch.equal(scales, want_scales)
