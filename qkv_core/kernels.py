@@ -224,10 +224,12 @@ PER_THREAD_Q_TILE = 64   # SageAttention 2's sm90 q tile: its scales cover whole
 PER_THREAD_K_TILE = 128  # its k tile: four scales each (`_smooth_quantize_k_kernel`)
 
 
-def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor, tile: int = PER_THREAD_K_TILE
+                                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """`k - mean` quantized to SageAttention 2's per-thread int8 k layout in one pass, where the unfused path
     runs `k -= mean` (a pass over k in place) and then its quantizer: (int8 `(B, N, h, D)`, float32 scales
-    `(B, h, ceil(N / 128) * 4)`), bitwise what those two steps give. `k` `(B, N, h, D)` 16-bit, rows contiguous
+    `(B, h, ceil(N / tile) * 4)`; `tile`: the kernel's keys a warp, 128 for sm90, 64 for sm80), bitwise
+    what those two steps give. `k` `(B, N, h, D)` 16-bit, rows contiguous
     (not changed); `mean` `(B or 1, 1, h, D)` in k's dtype. None when the kernel cannot take the call."""
     if not can_run(k) or not _cuda_capable(k) or k.dtype not in (torch.float16, torch.bfloat16) \
             or not _dtype_runs(k) or k.dim() != 4 or k.stride(-1) != 1 or k.numel() == 0:
@@ -238,13 +240,15 @@ def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor) -> Optiona
             mean.stride(-1) != 1:
         return None
     values = torch.empty(k.shape, dtype=torch.int8, device=k.device)
-    count = -(-tokens // PER_THREAD_K_TILE) * 4
+    if tile not in (64, 128):
+        return None
+    count = -(-tokens // tile) * 4
     scales = torch.empty((batch, heads, count), dtype=torch.float32, device=k.device)
     _smooth_quantize_k_kernel[(count, heads, batch)](
         k, mean, values, scales, tokens, k.stride(0), k.stride(1), k.stride(2),
         0 if mean.shape[0] == 1 else mean.stride(0), mean.stride(2),
         values.stride(0), values.stride(1), values.stride(2), scales.stride(0), scales.stride(1),
-        DIM=dim, TILE=PER_THREAD_K_TILE)
+        DIM=dim, TILE=tile)
     return values, scales
 
 

@@ -2,16 +2,20 @@
 its attention kernel writes the group's heads of the call's output. Built by users from thu-ml/SageAttention (not
 on PyPI); its kernels are imported from the installed package, never copied here.
 
-Three kernel modes, chosen per call by `Sage2Core.settings`:
+Kernel modes, chosen per call by `Sage2Core.settings` as `sageattn` chooses its kernels by GPU:
 - "sm90" (compute capability 9.0, unmasked): what `sageattn` runs on Hopper (`sageattn_qk_int8_pv_fp8_cuda_sm90`):
   q and k int8 with one scale per thread of its MMA tiles (q: warps of 16 rows in tiles of 64; k: tiles of 128,
   smoothed by their mean over the tokens), v fp8 e4m3 transposed to `(B, D, H, tokens padded to 128)` with one
   scale per channel, then its TMA/wgmma kernel writing into a strided output and giving the base-2 LSE.
-- "triton" (masked calls, and GPUs other than sm90): `sageattn_qk_int8_pv_fp16_triton`: q and k int8 by blocks
+- "sm80" (8.0, A100), unmasked: `sageattn_qk_int8_pv_fp16_cuda` (fp32 accumulation): q and k int8 per thread
+  (warps of 32 rows in tiles of 128; k tiles of 64, smoothed), v fp16, its `_qattn_sm80` kernel.
+- "triton" (masked calls, sm86 and any other GPU): `sageattn_qk_int8_pv_fp16_triton`: q and k int8 by blocks
   (q: 128 tokens, softmax scale and log2(e) folded in; k: 64, smoothed), v fp16, its Triton kernel (bool or
   additive masks, LSE). It is also what `sageattn` runs on sm86.
-- "sageattn" (unmasked, other GPUs: sm80, sm89, sm120 have CUDA kernels of their own that beat the Triton one):
-  `sageattn` itself per head group, unstaged, its result copied into the group's heads of the output.
+- "sageattn": `sageattn` itself per head group, unstaged, its result copied into the group's heads of the
+  output: sm89 (Ada: RTX 40xx, L40) and sm120 (Blackwell consumer cards), and any GPU whose kernel the installed
+  build lacks. (Their staged form needs SageAttention's sm89 kernel, which could not be run here to check it: as
+  PTX on an H200 it crashes inside SageAttention's own call.)
 
 Each quantizer takes the runtime's tensor in a list it clears and keeps only the quantized form, so at most one of
 q, k, v exists in 16 bits beside the quantized others (upstream `sageattn` holds all three, a smoothed copy of k,
@@ -24,6 +28,8 @@ the kernel once over the prefix and once over its own keys, and merges the two b
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import math
 from types import SimpleNamespace
 from typing import Optional
@@ -39,6 +45,9 @@ LOG2E = 1.44269504
 # the sm90 kernel's tiles (CTA_Q query rows, WARP_Q per warp, CTA_K keys) and its per-thread scale counts
 CTA_Q, WARP_Q, CTA_K = 64, 16, 128
 Q_SCALES_PER_WARP, K_SCALES_PER_TILE = 8, 4
+# the sm80 kernel's tiles: (query rows a block, a warp; keys a block, a warp), as `sageattn` quantizes for it
+SM80_TILES = (128, 32, 64, 64)
+SM90_TILES = (CTA_Q, WARP_Q, CTA_K, CTA_K)
 TRITON_Q_BLOCK, TRITON_K_BLOCK = 128, 64   # the Triton kernel's token blocks of q's and k's scales
 FP8_MAX = 448.0
 NHD, NOT_CAUSAL, PER_THREAD = 0, 0, 3      # the CUDA kernel's codes for layout, causality and scale granularity
@@ -52,30 +61,49 @@ def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_module(name: str) -> bool:
+    """Does the installed SageAttention build have the CUDA kernel module `name` (built for some GPUs only)?"""
+    try:
+        importlib.import_module(f"sageattention.{name}")
+        return True
+    except ImportError:
+        return False
+
+
+# compute capability -> (mode, the module its kernel is in)
+_CUDA_MODES = {(9, 0): ("sm90", "_qattn_sm90"), (8, 0): ("sm80", "_qattn_sm80")}
+
+
 def kernel_mode(device: torch.device, masked: bool) -> str:
-    """"sm90", "triton" or "sageattn" (module docstring) for a call on `device`."""
+    """The kernel mode (module docstring) for a call on `device`."""
     if masked:
         return "triton"
-    if is_sm90(device):
-        return "sm90"
-    return "triton" if device.type == "cuda" and torch.cuda.get_device_capability(device) == (8, 6) else "sageattn"
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability == (8, 6):
+        return "triton"
+    mode = _CUDA_MODES.get(capability)
+    return mode[0] if mode is not None and _has_module(mode[1]) else "sageattn"
 
 
 # ---- quantizers (each launches SageAttention's own kernel on a strided (B, N, H, D) tensor) ----
 
-def quantize_per_thread(x: torch.Tensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 `(B, N, H, D)` and float32 scales `(B, H, scales)` as the sm90 kernel reads them: for q
-    (`which="q"`) one scale per row index mod 8 of each warp's 16 rows; for k one per pair of rows mod 8 of
-    each 128-key tile. No softmax scale folded in (the kernel takes it)."""
+def quantize_per_thread(x: torch.Tensor, which: str, tiles: tuple = SM90_TILES) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 `(B, N, H, D)` and float32 scales `(B, H, scales)` as the CUDA kernels read them, for their `tiles`
+    (query rows a block, a warp; keys a block, a warp: `SM90_TILES`, `SM80_TILES`): for q (`which="q"`)
+    one scale per row index mod 8 of each warp's rows; for k one per pair of rows mod 8 of each warp's keys. No
+    softmax scale folded in (the kernel takes it)."""
     from sageattention.triton.quant_per_thread import (quant_key_per_thread_int8_kernel,
                                                         quant_query_per_thread_int8_kernel)
     batch, tokens, heads, dim = x.shape
+    q_block, q_warp, k_block, k_warp = tiles
     values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     if which == "q":
-        kernel, block, count = quant_query_per_thread_int8_kernel, WARP_Q, \
-            _ceil(tokens, CTA_Q) * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
+        kernel, block, count = quant_query_per_thread_int8_kernel, q_warp, \
+            _ceil(tokens, q_block) * (q_block // q_warp) * Q_SCALES_PER_WARP
     else:
-        kernel, block, count = quant_key_per_thread_int8_kernel, CTA_K, _ceil(tokens, CTA_K) * K_SCALES_PER_TILE
+        kernel, block, count = quant_key_per_thread_int8_kernel, k_warp, \
+            _ceil(tokens, k_block) * (k_block // k_warp) * K_SCALES_PER_TILE
     scales = torch.empty((batch, heads, count), dtype=torch.float32, device=x.device)
     kernel[(count, heads, batch)](x, values, scales, tokens, x.stride(0), x.stride(2), x.stride(1),
                                   values.stride(0), values.stride(2), values.stride(1),
@@ -136,22 +164,23 @@ class Sage2Core(StagedCore):
 
     def staged_quantize_k(self, k_list: list, settings):
         """k smoothed by its mean over the tokens, or by the native prefix's mean when there is one, then int8:
-        `(values, scales, mean)` (sm90: both in one pass, k not changed; else k, the runtime's own, is smoothed
-        in place first)."""
+        `(values, scales, mean)` (sm90, sm80: both in one Triton pass where it runs, k not changed; else k, the
+        runtime's own, is smoothed in place first)."""
         k = k_list.pop()
         k_list.clear()
         if settings.kernel == "sageattn":
             return k, None, None
         mean = settings.prefix.k_mean if settings.prefix is not None else k.mean(dim=1, keepdim=True)
-        if settings.kernel == "sm90":
+        tiles = SM90_TILES if settings.kernel == "sm90" else SM80_TILES
+        if settings.kernel in ("sm90", "sm80"):
             # the smoothing and the quantizer in one pass: a strided `k -= mean` of one head group ran at a tenth
             # of the memory bandwidth (4.9 ms of a 720p Wan block's 225 ms on an H200)
-            fused = kernels.smooth_quantize_k_per_thread(k, mean)
+            fused = kernels.smooth_quantize_k_per_thread(k, mean, tiles[3])
             if fused is not None:
                 return (*fused, mean)
         k -= mean
-        if settings.kernel == "sm90":
-            return (*quantize_per_thread(k, "k"), mean)
+        if settings.kernel in ("sm90", "sm80"):
+            return (*quantize_per_thread(k, "k", tiles), mean)
         return (*_triton_quantize(k, TRITON_K_BLOCK, 1.0), mean)
 
     def staged_quantize_q(self, q_list: list, settings):
@@ -164,6 +193,8 @@ class Sage2Core(StagedCore):
         keep = q.clone() if settings.return_lse else None   # q may be a view of the output
         if settings.kernel == "sm90":
             return (*quantize_per_thread(q, "q"), keep)
+        if settings.kernel == "sm80":
+            return (*quantize_per_thread(q, "q", SM80_TILES), keep)
         return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
 
     def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings):
@@ -188,6 +219,10 @@ class Sage2Core(StagedCore):
             return None
         if settings.kernel == "triton":
             lse = _triton_attention(out, q, q_scale, k, k_scale, v, mask, settings.return_lse)
+        elif settings.kernel == "sm80":
+            if mask is not None:
+                raise ValueError("the sm80 kernel takes no mask: settings(masked=True) picks the Triton kernel")
+            lse = _sm80_attention(out, q, q_scale, k, k_scale, v, settings.scale, settings.return_lse)
         else:
             if mask is not None:
                 raise ValueError("the sm90 kernel takes no mask: settings(masked=True) picks the Triton kernel")
@@ -240,6 +275,15 @@ def _sm90_attention(out, q, q_scale, k, k_scale, v, v_scale, scale, lse: bool) -
     from sageattention import _qattn_sm90
     result = _qattn_sm90.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
         q, k, v, out, q_scale, k_scale, v_scale, NHD, NOT_CAUSAL, PER_THREAD, scale, int(lse))
+    return result if lse else None
+
+
+def _sm80_attention(out, q, q_scale, k, k_scale, v, scale, lse: bool) -> Optional[torch.Tensor]:
+    """SageAttention 2's sm80 kernel (fp16 PV, fp32 accumulation) into `out`; its base-2 LSE `(B, H, Nq)` when
+    `lse`."""
+    from sageattention import _qattn_sm80
+    result = _qattn_sm80.qk_int8_sv_f16_accum_f32_attn(q, k, v, out, q_scale, k_scale, NHD, NOT_CAUSAL, PER_THREAD,
+                                                      scale, int(lse))
     return result if lse else None
 
 

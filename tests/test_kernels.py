@@ -247,21 +247,22 @@ from qkv_core import kernels
 assert kernels.INTERPRET and kernels.triton is not None
 g = torch.Generator().manual_seed(0)
 
-def per_thread_k(x):
-    """SageAttention 2's per-thread k quantization (sm90 kernel: tiles of 128 keys, rows 8 i + 2 j and
-    8 i + 2 j + 1 share scale j of the tile), in PyTorch: int8 (B, N, H, D), float32 scales (B, H, tiles * 4)."""
+def per_thread_k(x, tile):
+    """SageAttention 2's per-thread k quantization (tiles of `tile` keys: 128 for sm90, 64 for sm80; rows
+    8 i + 2 j and 8 i + 2 j + 1 share scale j of the tile), in PyTorch: int8 (B, N, H, D), float32 scales
+    (B, H, tiles * 4)."""
     b, n, h, d = x.shape
-    padded = -(-n // 128) * 128
+    padded = -(-n // tile) * tile
     f = torch.zeros(b, padded, h, d)
     f[:, :n] = x.float()
-    w = f.view(b, padded // 128, 16, 4, 2, h, d)                         # tile, i, j, pair, head, channel
+    w = f.view(b, padded // tile, tile // 8, 4, 2, h, d)                 # tile, i, j, pair, head, channel
     scale = w.abs().amax(dim=(2, 4, 6)) / 127. + 0.0000001                # (b, tiles, 4, h)
     q = w / scale[:, :, None, :, None, :, None]
     q = q + 0.5 * torch.where(q >= 0, 1.0, -1.0)
-    return q.to(torch.int8).view(b, padded, h, d)[:, :n], scale.permute(0, 3, 1, 2).reshape(b, h, padded // 32)
+    return q.to(torch.int8).view(b, padded, h, d)[:, :n], scale.permute(0, 3, 1, 2).reshape(b, h, padded // tile * 4)
 
 cases = 0
-for dtype in (torch.float16, torch.bfloat16):
+for dtype, tile in ((torch.float16, 128), (torch.bfloat16, 128), (torch.bfloat16, 64)):
     for tokens in (37, 128, 300):                      # a partial tile, one tile, a partial third tile
         for mean_batch in (1, 2):
             storage = (torch.randn(2, tokens, 5, 64, generator=g) + 3).to(dtype)
@@ -271,11 +272,11 @@ for dtype in (torch.float16, torch.bfloat16):
             smoothed = k.float() - mean.float()        # `k -= mean`: float32, rounded to k's dtype
             if dtype == torch.bfloat16:                # as the interpreter rounds bf16: truncated (a GPU: to
                 smoothed = (smoothed.view(torch.int32) & -65536).view(torch.float32)   # nearest, as PyTorch)
-            want_values, want_scales = per_thread_k(smoothed.to(dtype))
-            values, scales = kernels.smooth_quantize_k_per_thread(k, mean)
+            want_values, want_scales = per_thread_k(smoothed.to(dtype), tile)
+            values, scales = kernels.smooth_quantize_k_per_thread(k, mean, tile)
             assert torch.equal(storage, before)          # k itself is not written
-            assert torch.equal(values, want_values), (dtype, tokens, mean_batch)
-            assert torch.equal(scales, want_scales), (dtype, tokens, mean_batch)
+            assert torch.equal(values, want_values), (dtype, tile, tokens, mean_batch)
+            assert torch.equal(scales, want_scales), (dtype, tile, tokens, mean_batch)
             cases += 1
 # what it declines: float32, a head dim that is not a power of two, a mean of another shape
 assert kernels.smooth_quantize_k_per_thread(torch.randn(1, 16, 2, 64), torch.zeros(1, 1, 2, 64)) is None
@@ -287,7 +288,7 @@ print("cases", cases)
 
 def test_smooth_quantize_k_matches_the_two_passes_in_the_interpreter():
     """SageAttention 2's key smoothing and per-thread k quantization in one pass: bitwise `k -= mean` followed
-    by that quantization (its arithmetic written in PyTorch), for strided head groups, partial tiles and a
-    batch-1 mean (a native prefix's) over two batch items. (On a GPU, against SageAttention's own quantizer:
+    by that quantization (its arithmetic written in PyTorch), for the sm90 and sm80 tiles, strided head
+    groups, partial tiles and a batch-1 mean (a native prefix's) over two batch items. (On a GPU, against SageAttention's own quantizer:
     tests/test_sage2_gpu.py.)"""
-    assert "cases 12" in run_in_interpreter(SMOOTH_K)
+    assert "cases 18" in run_in_interpreter(SMOOTH_K)

@@ -3,11 +3,15 @@ NVIDIA: a tiny random-weight Wan in a `ModelPatcherDynamic`, loaded by ComfyUI's
 applies the object patches), run through `BaseModel.apply_model`; patched equals stock, the head split runs and
 the self-checks pass. Skipped without CUDA, without ComfyUI, where this ComfyUI has no Dynamic VRAM, or where
 ComfyUI's own Dynamic VRAM cannot run (on the lent H200, a virtualized GPU, its stock weight load fails with
-"CUDA error: invalid argument" in comfy-aimdo's buffers, before the pack is involved)."""
+"CUDA error: invalid argument" in comfy-aimdo's buffers, or crashes the process inside comfy-aimdo, before the
+pack is involved: a child process tries the stock load first, so such a crash skips this test instead of ending
+the test run)."""
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,8 +25,36 @@ DIM, HEADS, LAYERS = 512, 16, 2
 FRAMES, H, W = 4, 64, 64          # 4 x 32 x 32 = 4,096 tokens; cond + uncond: 8,192, the split floor
 
 
+PROBE = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_wan_dynamic_vram_gpu as t
+t.set_up_dynamic_vram()
+t.run(t.make_model())
+print("stock load ran")
+"""
+
+
+def stock_load_runs() -> None:
+    """Skips unless ComfyUI's own Dynamic VRAM load and one model call run in a child process (on some machines
+    comfy-aimdo ends the process with a segmentation fault, which no test could catch)."""
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", PROBE.format(tests=tests)], capture_output=True, text=True,
+                          timeout=600, cwd=str(Path(tests).parent))
+    if done.returncode != 0 or "stock load ran" not in done.stdout:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "Skipped" in line]
+        why = f"signal {-done.returncode}" if done.returncode < 0 else ((errors or lines or ["no output"])[-1][:200])
+        pytest.skip(f"ComfyUI's Dynamic VRAM does not run on this machine (stock load in a child process: {why})")
+
+
 @pytest.fixture(scope="module")
 def env():
+    stock_load_runs()
+    return set_up_dynamic_vram()
+
+
+def set_up_dynamic_vram():
     """ComfyUI loaded the way the benchmark loads it (no comfy.sample / comfy_api), Dynamic VRAM turned on the
     way ComfyUI's main.py turns it on."""
     root = comfy_env.find_comfyui()
