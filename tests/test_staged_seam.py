@@ -387,3 +387,21 @@ def test_native_prefix_goes_to_the_core_by_groups():
             qc.StagedCore().prefix_heads(prefix, range(0, 1))
     finally:
         qc.unregister_backend("fake-native")
+
+@pytest.mark.parametrize("capability,modules,masked,mode", [
+    ((9, 0), {"_qattn_sm90"}, False, "sm90"),
+    ((9, 0), set(), False, "sageattn"),          # a build without the Hopper kernel: its own sageattn
+    ((8, 0), {"_qattn_sm80"}, False, "sm80"),
+    ((8, 0), set(), False, "sageattn"),
+    ((8, 6), set(), False, "triton"),            # what sageattn runs on sm86
+    ((8, 9), {"_qattn_sm89"}, False, "sageattn"),  # Ada: not staged (its kernel could not be checked)
+    ((12, 0), {"_qattn_sm89"}, False, "sageattn"),
+    ((9, 0), {"_qattn_sm90"}, True, "triton"),   # masks: the Triton kernel on every GPU
+])
+def test_sage2_kernel_mode_by_gpu(monkeypatch, capability, modules, masked, mode):
+    """SageAttention 2's staged core picks each GPU's kernel as `sageattn` does, where the installed build has it
+    (no GPU needed: the capability and the build's modules are given)."""
+    from qkv_core import sage2
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(sage2, "_has_module", lambda name: name in modules)
+    assert sage2.kernel_mode(torch.device("cuda", 0), masked) == mode
