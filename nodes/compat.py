@@ -26,9 +26,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..qkv_core import head_split
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import not_counted
+from .dispatch import split_floor
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 CHECK_TOKENS = 256
@@ -304,7 +304,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
         if bound is None:
             return unknown_args(names, args, kwargs)
         if short_runs_stock:
-            floor = head_split.SPLIT_FLOOR_TOKENS if config.split_floor is None else config.split_floor
+            floor = split_floor(config)
             tokens = max((value.shape[1] for value in bound.values() if torch.is_tensor(value) and value.dim() == 3),
                          default=None)
             if tokens is not None and tokens < floor:

@@ -25,11 +25,13 @@ LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)   # the node's names: 
 class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
     0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
-    tokens that are split (None: the runtime's default; the self-check forces the split with 0)."""
+    tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
+    with 0); `floor_scale`: the family's multiple of the runtime's floor (`family_config`)."""
     level: int
     backend: str
     block: bool
     split_floor: Optional[int] = None
+    floor_scale: int = 1
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
@@ -97,7 +99,8 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
     the split floor of `config`. `module`: the model's attention module, whose per-layer attention choice
     (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would pass it. `mask`: the
     attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the dispatcher."""
-    floor = {} if config.split_floor is None else {"split_floor_tokens": config.split_floor}
+    floor = {} if config.split_floor is None and config.floor_scale == 1 else \
+        {"split_floor_tokens": split_floor(config)}
     if uses_comfy_dispatch(config, transformer_options):
         preferred = getattr(module, "comfy_attention", None)
         dispatch = {} if preferred is None else {"preferred_attention": preferred}
@@ -143,4 +146,14 @@ def attention_splits(config, kv_heads: int, batch: int, tokens: int) -> bool:
 
 
 def split_floor(config) -> int:
-    return head_split.SPLIT_FLOOR_TOKENS if config.split_floor is None else config.split_floor
+    """The fewest tokens of one batch item that `config`'s calls split."""
+    if config.split_floor is not None:
+        return config.split_floor
+    return head_split.SPLIT_FLOOR_TOKENS * config.floor_scale
+
+
+def family_config(config, adapter):
+    """`config` with the family's split floor: `adapter.SPLIT_FLOOR_SCALE` times the runtime's (1 when the
+    adapter sets none), for families whose forwards are bound by the host's launches on shorter sequences."""
+    scale = int(getattr(adapter, "SPLIT_FLOOR_SCALE", 1)) if adapter is not None else 1
+    return config if config.floor_scale == scale else config._replace(floor_scale=scale)

@@ -55,6 +55,8 @@ class FamilyAdapter(Protocol):
     FAMILY: str                      # the name the log and the report use ("Wan")
     MEMORY_FACTORS: MemoryFactors
     WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
+    # optional: SPLIT_FLOOR_SCALE (int), the family's split floor as a multiple of the runtime's
+    # (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""

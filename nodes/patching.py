@@ -10,7 +10,7 @@ import comfy.patcher_extension
 from ..qkv_core import drain_notices, drain_tally, reset_notices, split_plan
 from . import (compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lumina, planner, qwen_image,
                reference_cache, sd3, wan)
-from .dispatch import LEVELS, QKVConfig, backend_choices, split_floor
+from .dispatch import LEVELS, QKVConfig, backend_choices, family_config, split_floor
 from .family import check_adapter
 from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui
 
@@ -29,6 +29,7 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
     alone leaves the stock feed-forward's peak (1.0), and anything not verified yet in this process, or
     with other nodes' hooks, runs at ComfyUI's own estimate."""
     factors = adapter.MEMORY_FACTORS
+    config = family_config(config, adapter)
     if not config.block:
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
@@ -153,6 +154,7 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=Non
     elif adapter is None:   # every other model: ComfyUI's attention calls on the pack's backend
         kernel_patch.patch(patched, backend, report, type(diffusion_model).__name__)
     else:
+        config = family_config(config, adapter)
         adapter.patch(patched, config, report)
     if report.any_patched:
         patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from ..qkv_core import split_plan
-from .dispatch import LEVELS, QKVConfig, split_floor
+from .dispatch import LEVELS, QKVConfig, family_config, split_floor
 from .report import size
 
 WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
@@ -91,6 +91,7 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     call: the latent's batch, doubled where ComfyUI runs cond and uncond together), activations in `dtype`
     (`compute_dtype`; default bf16), or None when the shapes cannot be read (said by the caller)."""
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
+    config = family_config(config, adapter)
     width = model_width(diffusion_model)
     if tokens is None or width is None:
         return None

@@ -269,6 +269,10 @@ def hidream() -> Case:
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
          "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
          "hidream": hidream}
+# each case's adapter module (nodes/<name>.py)
+ADAPTER_MODULES = {"wan": "wan", "flux": "flux", "hunyuan_video": "flux", "qwen_image": "qwen_image",
+                   "lumina2": "lumina", "ltx_video": "ltx", "sd3": "sd3", "cosmos_predict2": "cosmos",
+                   "hidream": "hidream"}
 
 
 def case(name: str) -> Optional[Case]:

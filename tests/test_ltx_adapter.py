@@ -315,13 +315,13 @@ def test_a_dit_block_replacement_wraps_the_pack_block(env, split_everything, bou
     assert 1 in spy.self_heads
 
 
-def test_short_sequences_run_comfyuis_own_blocks(env):
-    """Under the split floor (the runtime's default, not the tests' 0) LTX's blocks and attention run ComfyUI's
-    own forwards (the pack's were 1.6x slower on a whole model at 768x512 x 97 on an H200, for a saving of
-    ~0.3 GiB): the output is stock's exactly, and the log says why (the other tests, with a floor of 0, run the
-    pack's forwards on the same tiny model)."""
+def test_short_sequences_run_comfyuis_own_blocks(env, ltx):
+    """Under LTX's split floor (3x the runtime's default, not the tests' 0) LTX's blocks and attention run
+    ComfyUI's own forwards (the pack's were 1.6x slower on a whole model at 768x512 x 97 on an H200, 2.8x at
+    1216x704 x 121, for a saving of ~0.3-0.8 GiB): the output is stock's exactly, and the log says why (the
+    other tests, with a floor of 0, run the pack's forwards on the same tiny model)."""
     import torch
-    assert env.core.head_split.SPLIT_FLOOR_TOKENS == 8192
+    assert env.core.head_split.SPLIT_FLOOR_TOKENS == 8192 and ltx.SPLIT_FLOOR_SCALE == 3
     base = ltx_model()
     inputs = ltx_inputs(torch)
     reference = forward(base, inputs)
@@ -331,4 +331,24 @@ def test_short_sequences_run_comfyuis_own_blocks(env):
     assert torch.equal(out, reference)
     said = [line for line in env.core.drain_notices() if "short sequences" in line]
     assert {line.split(":")[0] for line in said} == {"[QKV] LTX block", "[QKV] LTX attention"}   # once each
-    assert all("tokens, under the split floor of 8192: faster there" in line for line in said), said
+    assert all("tokens, under the split floor of 24576: faster there" in line for line in said), said
+
+
+def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
+    """LTX's calls split from `SPLIT_FLOOR_SCALE` x the runtime's floor: the runtime is told so, and the planner
+    and the memory estimate decide as the runtime does (1216x704 x 121 whole, x 257 split)."""
+    import importlib
+    dispatch = importlib.import_module(env.pack.__name__ + ".nodes.dispatch")
+    planner = importlib.import_module(env.pack.__name__ + ".nodes.planner")
+    config = dispatch.QKVConfig(3, "sdpa", True)
+    ltx_config = dispatch.family_config(config, ltx)
+    assert dispatch.split_floor(config) == 8192 and dispatch.split_floor(ltx_config) == 24576
+    assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
+    assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})
+    assert dispatch.family_config(config, env.wan) is config
+    model = ltx_model().model.diffusion_model
+    short = planner.plan(ltx, model, (2, 16, 16, 22, 38), config)      # 13,376 tokens an item
+    long = planner.plan(ltx, model, (2, 16, 33, 22, 38), config)       # 27,588
+    assert [level.groups for level in short.levels] == [1, 1, 1, 1]
+    assert "under 24576" in short.levels[3].why
+    assert long.levels[3].groups > 1
