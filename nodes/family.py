@@ -56,7 +56,8 @@ class FamilyAdapter(Protocol):
     MEMORY_FACTORS: MemoryFactors
     WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
     # optional: SPLIT_FLOOR_SCALE (int), the family's split floor as a multiple of the runtime's
-    # (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
+    # (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences;
+    # SHORT_RUNS_STOCK (bool), calls under the floor run ComfyUI's own forwards (the planner counts stock's peak)
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""

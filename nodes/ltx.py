@@ -52,6 +52,8 @@ MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=1.0,
 # stock, 1,272 ms split (its launches, ~1.3 s, are the same at any length); 27,588 tokens 1,490 ms stock,
 # 1,500 ms split. Under the floor ComfyUI's own forwards run (`short_runs_stock`).
 SPLIT_FLOOR_SCALE = 3
+# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
+SHORT_RUNS_STOCK = True
 WORKING_SETS = {"block": WorkingSet(stock=10.5, bounded_whole=2.24, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_ltx_memory.py (stock 11.0 on v0.33, 10.0 on v0.8.0)")}
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
@@ -377,7 +379,7 @@ def attention_forward(module, config):
         functions=lambda: _stock_functions(module),
         signature=lambda bound: _attention_signature(module, config, bound), check_inputs=_check_attention,
         quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_attention(module),
-        short_runs_stock=True)
+        short_runs_stock=SHORT_RUNS_STOCK)
 
 
 def _block_signature(block, config, bound) -> tuple:
@@ -423,7 +425,7 @@ def bounded_block_forward(block, config):
         f"{FAMILY} block", block, BLOCK_ARGS, ours_factory, config, functions=lambda: _stock_functions(block),
         signature=lambda bound: _block_signature(block, config, bound), check_inputs=_check_block, residual="x",
         quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block), refuse_more=foreign_part,
-        short_runs_stock=True)
+        short_runs_stock=SHORT_RUNS_STOCK)
 
 
 # --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------

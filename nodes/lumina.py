@@ -43,6 +43,8 @@ FAMILY = "Lumina2"
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=0.7, unsplit=1.0,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: ComfyUI's own blocks run")
+# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
+SHORT_RUNS_STOCK = True
 WORKING_SETS = {"lumina2": WorkingSet(stock=18.0, bounded_whole=1.95, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py"),
                 "zimage": WorkingSet(stock=14.0, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py")}
 
@@ -307,7 +309,7 @@ def _guard(kind: str, what: str, module, run, config, residual=None, refuse_call
         what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
         signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
         residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=refuse_call,
-        refuse_more=refuse_more, short_runs_stock=True)
+        refuse_more=refuse_more, short_runs_stock=SHORT_RUNS_STOCK)
 
 
 def attention_forward(attention, config):

@@ -103,10 +103,13 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     kind = max(sets, key=lambda name: sets[name].stock)   # the stock peak's block; the pack's may be another
     kv_heads = adapter.kv_heads(diffusion_model) or 2
     unsliceable = adapter.splits_projections(diffusion_model)
+    # families that leave calls under the split floor to ComfyUI's own forwards hold stock's peak there
+    stock_runs = bool(getattr(adapter, "SHORT_RUNS_STOCK", False)) and tokens < split_floor(config)
     plans = []
     for index, name in enumerate(LEVELS):
         split = split_plan(kv_heads, tokens, index, split_floor(config), unsliceable=unsliceable)
-        factor = max(ws.bounded(split.groups) if config.block else ws.stock for ws in sets.values())
+        factor = max(ws.bounded(split.groups) if config.block and not stock_runs else ws.stock
+                     for ws in sets.values())
         plans.append(LevelPlan(name, split.groups, int(factor * x_bytes), split.reason or ""))
     return Plan(adapter.FAMILY, kind, tokens, batch, width, x_bytes, int(sets[kind].stock * x_bytes),
                 tuple(plans), config.block)

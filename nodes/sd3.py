@@ -38,6 +38,8 @@ FAMILY = "SD3"
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=1.0,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; SD3.5 Large 2048^2 0.39 split (Medium not measured); unsplit: ComfyUI's own blocks run")
+# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
+SHORT_RUNS_STOCK = True
 WORKING_SETS = {"joint": WorkingSet(stock=19.21, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Large)"),
                 "joint_self_attention": WorkingSet(stock=27.21, bounded_whole=3.06, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Medium: x's second attention)")}
 
@@ -295,7 +297,7 @@ def block_forward(block, config):
         functions=lambda: _stock_functions(block), signature=lambda bound: _signature(block, config, bound),
         check_inputs=lambda bound: _check_inputs(block, bound), residual=("context", "x"),
         quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call, refuse_more=foreign_part,
-        short_runs_stock=True)
+        short_runs_stock=SHORT_RUNS_STOCK)
 
 
 # --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
