@@ -14,7 +14,7 @@ instead of one per chunk. Runs on CUDA with Triton installed, or anywhere with `
 Returns False when it cannot run; the caller then takes its PyTorch path (same math).
 
 `smooth_quantize_k_per_thread`: SageAttention 2's key smoothing (`k -= mean`) and its per-thread int8 quantizer
-in one pass (its sm90 staged core).
+in one pass (its sm90 and sm80 staged cores).
 """
 from __future__ import annotations
 
@@ -237,11 +237,9 @@ def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor, tile: int 
     batch, tokens, heads, dim = k.shape
     if dim & (dim - 1) or dim < 16 or dim > 256 or mean.dtype != k.dtype or mean.device != k.device or \
             mean.dim() != 4 or mean.shape[1:] != (1, heads, dim) or mean.shape[0] not in (1, batch) or \
-            mean.stride(-1) != 1:
+            mean.stride(-1) != 1 or tile not in (64, 128):
         return None
     values = torch.empty(k.shape, dtype=torch.int8, device=k.device)
-    if tile not in (64, 128):
-        return None
     count = -(-tokens // tile) * 4
     scales = torch.empty((batch, heads, count), dtype=torch.float32, device=k.device)
     _smooth_quantize_k_kernel[(count, heads, batch)](
