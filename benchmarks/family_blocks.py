@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from ..nodes import flux, hidream, qwen_image
-from ..nodes.dispatch import QKVConfig
+from ..nodes.dispatch import QKVConfig, family_config
 from . import memory
 
 
@@ -150,9 +150,18 @@ CASES = {case.name: case for case in (
          flux_case("double", 4096, 512)),
     Case("flux-single-1024", "Flux-dev single block, 1024^2 (4,608 tokens, under the split floor)",
          flux_case("single", 4096, 512)),
+    Case("flux-double-kontext", "Flux Kontext double block, 1 MP + 1 MP reference (8,192 image + 512 text tokens, "
+                                "under Flux's split floor)", flux_case("double", 8192, 512)),
+    Case("flux-single-kontext", "Flux Kontext single block, 1 MP + 1 MP reference (8,704 tokens, under Flux's "
+                                "split floor)", flux_case("single", 8192, 512)),
     Case("qwen-image-1328", "Qwen-Image block, 1328^2 (6,889 image + 256 text tokens)", qwen_image_case(83, 256)),
     Case("qwen-image-1328-cfg", "Qwen-Image block, 1328^2, cond + uncond in one call (2 x 7,145 tokens)",
          qwen_image_case(83, 256, batch=2)),
+    # Qwen-Image-Edit: the output's image tokens and a reference image's, joined (a 1 MP edit: 2 x ~4,100)
+    Case("qwen-edit-1024", "Qwen-Image-Edit block, 1 MP output + 1 MP reference (8,281 image + 256 text tokens, "
+                           "under Qwen-Image's split floor)", qwen_image_case(91, 256)),
+    Case("qwen-edit-1024-cfg", "Qwen-Image-Edit block, 1 MP + 1 MP reference, cond + uncond (2 x 8,537 tokens)",
+         qwen_image_case(91, 256, batch=2)),
     Case("hidream-double-1024", "HiDream-I1 double block, 1024^2 (4,096 image + 384 text tokens)", hidream_case(64)),
     Case("hidream-double-2048", "HiDream-I1 double block, 2048^2 (16,384 image + 384 text tokens)", hidream_case(128)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
@@ -173,7 +182,9 @@ def _first(result):
 def run_case(case: Case, device, dtype, backend: str, repeats: int) -> dict:
     block, inputs, main, factory = case.build(device, dtype)
     x_bytes = inputs[main].numel() * inputs[main].element_size()
-    ours = factory(block, QKVConfig(level=3, backend=backend, block=True))
+    # the family's split floor, as the node applies it (Flux and Qwen-Image split from 12,288 tokens an item)
+    config = family_config(QKVConfig(level=3, backend=backend, block=True), sys.modules[factory.__module__])
+    ours = factory(block, config)
     row = {"case": case.name, "what": case.what, "x_GiB": x_bytes / 2**30}
     results = {}
     with torch.no_grad():

@@ -31,7 +31,7 @@ class QKVConfig(NamedTuple):
     backend: str
     block: bool
     split_floor: Optional[int] = None
-    floor_scale: int = 1
+    floor_scale: float = 1
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
@@ -149,11 +149,11 @@ def split_floor(config) -> int:
     """The fewest tokens of one batch item that `config`'s calls split."""
     if config.split_floor is not None:
         return config.split_floor
-    return head_split.SPLIT_FLOOR_TOKENS * config.floor_scale
+    return int(head_split.SPLIT_FLOOR_TOKENS * config.floor_scale)
 
 
 def family_config(config, adapter):
     """`config` with the family's split floor: `adapter.SPLIT_FLOOR_SCALE` times the runtime's (1 when the
     adapter sets none), for families whose forwards are bound by the host's launches on shorter sequences."""
-    scale = int(getattr(adapter, "SPLIT_FLOOR_SCALE", 1)) if adapter is not None else 1
+    scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1) if adapter is not None else 1
     return config if config.floor_scale == scale else config._replace(floor_scale=scale)

@@ -55,7 +55,7 @@ class FamilyAdapter(Protocol):
     FAMILY: str                      # the name the log and the report use ("Wan")
     MEMORY_FACTORS: MemoryFactors
     WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
-    # optional: SPLIT_FLOOR_SCALE (int), the family's split floor as a multiple of the runtime's
+    # optional: SPLIT_FLOOR_SCALE (a number), the family's split floor as a multiple of the runtime's
     # (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences;
     # SHORT_RUNS_STOCK (bool), calls under the floor run ComfyUI's own forwards (the planner counts stock's peak)
 

@@ -34,6 +34,11 @@ FAMILY = "Flux"
 # so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.85,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Flux-dev 2048^2 0.74 and HunyuanVideo 720p x 129 0.56 split, Flux-dev 1024^2 0.78 unsplit")
+# Split only from 1.5x the runtime's floor (12,288 tokens an item): under it the split blocks are bound by the
+# host's launches on an H200 (double / single block, 8,704 tokens: 1.21 / 1.39x stock's time split, 0.80 / 0.84x
+# whole; 12,800: 1.11 / 0.94x split; 14,848: 0.88 / 0.82x), for a saving of under 0.2 GiB a call there. Whole,
+# the pack's blocks still hold about 4.2-4.6 x |x| against stock's 10-13.
+SPLIT_FLOOR_SCALE = 1.5
 WORKING_SETS = {"double": WorkingSet(stock=10.06, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py"),
                 "single": WorkingSet(stock=14.06, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py")}
 

@@ -38,6 +38,10 @@ STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None
 # less, so a run never plans for less than it uses).
 MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.8,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Qwen-Image 1328^2 0.76 unsplit; the split runs take the unsplit factor (no split run measured)")
+# Split only from 1.5x the runtime's floor (12,288 tokens an item), as Flux: a Qwen-Image-Edit call of a 1 MP
+# image and a 1 MP reference (8,537 tokens) took 1.24x stock's time split on an H200 (one item; 1.00x with cond +
+# uncond), 0.85x whole; from 12,100 image tokens on the split is 0.84-0.99x.
+SPLIT_FLOOR_SCALE = 1.5
 WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 
 FORM = AttentionForm(streams=(

@@ -499,10 +499,10 @@ def pack_modules():
 class SdpaHeads:
     """Records the head count of every SDPA call (the group size actually attended); `self_heads`: those
     of self-attention calls (as many keys as queries) longer than the self-check's few tokens, i.e. the
-    calls of the real run."""
+    calls of the real run; `self_tokens`: their token counts (of one batch item)."""
 
     def __init__(self, torch, check_tokens=256):
-        self.torch, self.check_tokens, self.heads, self.self_heads = torch, check_tokens, [], []
+        self.torch, self.check_tokens, self.heads, self.self_heads, self.self_tokens = torch, check_tokens, [], [], []
 
     def __enter__(self):
         torch, recorder = self.torch, self
@@ -514,6 +514,7 @@ class SdpaHeads:
                     recorder.heads.append(q.shape[1])
                     if q.shape[2] == k.shape[2] and q.shape[2] > recorder.check_tokens:
                         recorder.self_heads.append(q.shape[1])
+                        recorder.self_tokens.append(q.shape[2])
                 return func(*args, **(kwargs or {}))
         self.mode = Mode()
         self.mode.__enter__()

@@ -34,7 +34,7 @@ def env():
 
 @pytest.fixture(autouse=True)
 def _family_floor(request, env):
-    """A family that splits only from a multiple of the runtime's floor (its `SPLIT_FLOOR_SCALE`: LTX) gets
+    """A family that splits only from a multiple of the runtime's floor (its `SPLIT_FLOOR_SCALE`: LTX, Flux, Qwen-Image) gets
     that fraction of the cases' floor, so that its 4,096-token items split like the others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
     module = family_cases.ADAPTER_MODULES.get(family) if family is not None else None
@@ -43,7 +43,7 @@ def _family_floor(request, env):
     if scale == 1:
         yield
         return
-    with comfy_env.split_floor(env, CASE_SPLIT_FLOOR // scale):
+    with comfy_env.split_floor(env, round(CASE_SPLIT_FLOOR / scale)):
         yield
 
 
@@ -197,3 +197,30 @@ def test_gguf_weights(env, family):
     assert gguf.gguf_keys
     case = case._replace(patcher=gguf)
     _equals_stock_and_splits(env, case, family)
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_each_family_splits_from_its_own_floor(env, family):
+    """The runtime's floor set just under the case's tokens of one item (its longest self-attention in a stock
+    forward, / 1.2: some guards count the image stream alone): families whose floor is that times
+    `SPLIT_FLOOR_SCALE` > 1 (LTX 3, Flux and Qwen-Image 1.5: their split blocks are bound by the host's launches
+    there) keep the items whole, the others split them; the output is stock's either way."""
+    case = family_cases.case(family)
+    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.{family_cases.ADAPTER_MODULES[family]}")
+    scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1)
+    assert scale == {"ltx_video": 3, "flux": 1.5, "hunyuan_video": 1.5, "qwen_image": 1.5}.get(family, 1)
+    with comfy_env.SdpaHeads(env.torch) as stock_spy:
+        reference = _forward(case)
+    with comfy_env.split_floor(env, round(max(stock_spy.self_tokens) / 1.2)):
+        patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", True)
+        env.core.reset_notices()
+        _forward(case, applied=patched)   # the self-checks (the split forced) run at the first call of a kind
+        with comfy_env.SdpaHeads(env.torch) as spy:
+            out = _forward(case, applied=patched)
+    assert not _fallbacks(env), family
+    assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
+    heads = case.heads or case.kv_heads
+    if scale > 1:
+        assert set(spy.self_heads) == {heads}, (family, scale, spy.self_heads)   # whole: all heads in one call
+    else:
+        assert heads // env.core.group_count(case.kv_heads, 10**6, 3) in spy.self_heads, (family, spy.self_heads)
