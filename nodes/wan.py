@@ -37,6 +37,11 @@ FAMILY = "Wan"
 # over ComfyUI's estimate: A / E = 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the
 # rest is the model around the blocks and ComfyUI's weight streaming), r = 0.84 without it.
 MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0")
+# Split only from 2x the runtime's floor (16,384 tokens an item): a split Wan 14B block costs the host about
+# 33-36 ms whatever the length (20 groups at High, each with its share of the statistics pass), which its GPU
+# work passes near 17,000 tokens on an H200 (10,920 tokens: 33 ms split against stock's 17; 14,040 (480p x 33
+# frames): 35 against 25, 23 whole; 17,160: 36 against 35; 32,760: 77 against 100).
+SPLIT_FLOOR_SCALE = 2
 WORKING_SETS = {"block": WorkingSet(stock=9.0, bounded_whole=1.99, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")}
 
 

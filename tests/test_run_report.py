@@ -16,6 +16,20 @@ from test_node_in_comfyui import _prompt, loaded  # noqa: F401  (the prompt fixt
 pytestmark = pytest.mark.comfyui
 
 
+@pytest.fixture(autouse=True)
+def _wan_splits_at_the_memory_tests_size(monkeypatch):
+    """Wan splits real sizes from 16,384 tokens an item (2x the runtime's floor, `wan.SPLIT_FLOOR_SCALE`); the
+    memory test's block has 12,288. The runtime's floor is halved in every copy of the pack in this process (the
+    tests' own and the one ComfyUI's loader imported), so that the plans, the runs and the measured blocks (built
+    with the runtime's own floor) all split as the node splits a Wan of 16,384+ tokens."""
+    import sys
+    comfy_env.require_comfyui()
+    comfy_env.load_pack()
+    for name, module in list(sys.modules.items()):
+        if name.endswith("qkv_core.head_split") and hasattr(module, "SPLIT_FLOOR_TOKENS"):
+            monkeypatch.setattr(module, "SPLIT_FLOOR_TOKENS", 4096)
+
+
 @pytest.fixture
 def sent(monkeypatch):
     """What the run wrapper sends to the browser: (event, payload) pairs."""

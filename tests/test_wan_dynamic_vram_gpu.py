@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]
 
 DIM, HEADS, LAYERS = 512, 16, 2
-FRAMES, H, W = 4, 64, 64          # 4 x 32 x 32 = 4,096 tokens; cond + uncond: 8,192, the split floor
+FRAMES, H, W = 4, 64, 64          # 4 x 32 x 32 = 4,096 tokens an item (cond + uncond), split by the floor below
+RUNTIME_FLOOR = 2048              # x Wan's SPLIT_FLOOR_SCALE 2: items of 4,096 tokens split
 
 
 PROBE = """
@@ -99,7 +100,9 @@ def set_up_dynamic_vram():
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
     comfy.memory_management.aimdo_enabled = True
     package = bench.PACK_PACKAGE
-    return {name: importlib.import_module(f"{package}.nodes.{name}") for name in ("patching", "compat")}
+    modules = {name: importlib.import_module(f"{package}.nodes.{name}") for name in ("patching", "compat")}
+    modules["head_split"] = importlib.import_module(f"{package}.qkv_core.head_split")
+    return modules
 
 
 def make_model():
@@ -130,7 +133,8 @@ def run(patcher):
         return patcher.model.apply_model(x, sigma, c_crossattn=context, transformer_options=options).float()
 
 
-def test_patched_equals_stock_under_dynamic_vram(env):
+def test_patched_equals_stock_under_dynamic_vram(env, monkeypatch):
+    monkeypatch.setattr(env["head_split"], "SPLIT_FLOOR_TOKENS", RUNTIME_FLOOR)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
