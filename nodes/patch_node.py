@@ -25,12 +25,12 @@ class QKVPatch(io.ComfyNode):
                 io.Model.Input("model"),
                 io.Combo.Input("head_split", options=list(LEVELS), default="High",
                                tooltip="Attend long sequences (8192+ tokens of one image or video; Flux and "
-                                       "Qwen-Image 12288+, LTX 24576+) one group of heads at a time. Off: as "
-                                       "ComfyUI does. Low/Medium/High: about 4/8/16 groups; the higher, the "
-                                       "less VRAM (a Wan 14B block with block_bounds at 720p: Off 4.5, Medium "
-                                       "2.4, High 2.3 times its input). Shorter sequences (images of about 1 MP, "
-                                       "1 MP edits with a reference) are not split. The QKV VRAM Planner node "
-                                       "estimates each level for your latent."),
+                                       "Qwen-Image 12288+, Wan 16384+, LTX 24576+) one group of heads at a "
+                                       "time. Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the "
+                                       "higher, the less VRAM (a Wan 14B block with block_bounds at 720p: Off "
+                                       "4.5, Medium 2.4, High 2.3 times its input). Shorter sequences (images of "
+                                       "about 1 MP, 1 MP edits with a reference, short 480p clips) are not "
+                                       "split. The QKV VRAM Planner node estimates each level for your latent."),
                 io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
                                tooltip="auto: the best installed kernel (SageAttention 2 on long calls, "
                                        "FlashAttention, else PyTorch SDPA), or ComfyUI's dispatcher if you "
