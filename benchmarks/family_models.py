@@ -270,6 +270,12 @@ CASES = {case.name: case for case in (
     Case("kandinsky5-lite-768x512x61", "Kandinsky 5.0 Video Lite, 768x512 x 61 frames (24,576 video tokens; 256 "
          "text tokens, cross-attention)", KANDINSKY5_LITE, "Kandinsky5", (16, 16, 64, 96), 256, 3584,
          kandinsky5_conds, tiny_latent=(16, 3, 12, 16), text_in_sequence=0),
+    Case("cosmos-p2-2b-1280x704x9", "Cosmos-Predict2 2B Video2World, 1280x704 x 9 frames (10,560 video tokens; "
+         "512 T5 tokens, cross-attention)", COSMOS_P2_2B, "CosmosI2VPredict2", (16, 3, 88, 160), 512, 1024,
+         cosmos_predict2_conds, tiny_latent=(16, 3, 16, 16), text_in_sequence=0),
+    Case("kandinsky5-lite-768x512x25", "Kandinsky 5.0 Video Lite, 768x512 x 25 frames (10,752 video tokens; 256 "
+         "text tokens, cross-attention)", KANDINSKY5_LITE, "Kandinsky5", (16, 7, 64, 96), 256, 3584,
+         kandinsky5_conds, tiny_latent=(16, 3, 12, 16), text_in_sequence=0),
     Case("hidream-i1-1024", "HiDream-I1 Full, 1024^2 (4,096 image + 384 text tokens: 128 T5 + 2 x 128 Llama)",
          HIDREAM_I1, "HiDream", (16, 128, 128), 128, 4096, hidream_conds, tiny_latent=(16, 24, 24),
          text_in_sequence=3),

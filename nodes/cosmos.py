@@ -33,9 +33,12 @@ from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Cosmos"
-# Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
-MEMORY_FACTORS = MemoryFactors(split=0.65, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Cosmos predict2 2B 1280x704 x 93 0.55 split (unsplit not measured)")
+MEMORY_FACTORS = MemoryFactors(split=0.65, unsplit=0.7,
+                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Cosmos predict2 2B 1280x704 x 93 0.55 split, x 9 and x 21 (10,560 and 21,120 tokens) 0.64 unsplit")
+# Split only from 3.5x the runtime's floor (28,672 tokens an item): a split Cosmos predict2 2B costs the host
+# about 1 s a model call whatever the length (whole model on an H200, cond + uncond: 10,560 tokens an item 318 ms
+# stock, 1,002 split; 21,120: 917 / 1,279; 31,680: 1,808 / 1,592; 42,240: 3,005 / 2,297).
+SPLIT_FLOOR_SCALE = 3.5
 WORKING_SETS = {"block": WorkingSet(stock=12.3, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_cosmos_memory.py (stock 11.08 on v0.33, 14.00 on v0.8.0)")}
 
 STREAM = StreamProjections(q="q_proj", k="k_proj", v="v_proj", norm_q="q_norm", norm_k="k_norm")
