@@ -24,8 +24,8 @@ class QKVPatch(io.ComfyNode):
             inputs=[
                 io.Model.Input("model"),
                 io.Combo.Input("head_split", options=list(LEVELS), default="High",
-                               tooltip="Attend long sequences (8192+ tokens of one image or video; Flux and "
-                                       "Qwen-Image 12288+, Wan 16384+, LTX 24576+) one group of heads at a "
+                               tooltip="Attend long sequences (from 8,192 to 28,672 tokens of one image or "
+                                       "video on, by family: the README says which) one group of heads at a "
                                        "time. Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the "
                                        "higher, the less VRAM (a Wan 14B block with block_bounds at 720p: Off "
                                        "4.5, Medium 2.4, High 2.3 times its input). Shorter sequences (images of "
