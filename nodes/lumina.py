@@ -45,6 +45,10 @@ MEMORY_FACTORS = MemoryFactors(split=0.7, unsplit=1.0,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: ComfyUI's own blocks run")
 # calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
 SHORT_RUNS_STOCK = True
+# Split only from 2x the runtime's floor (16,384 tokens an item): a split Lumina 2 is bound by the host's
+# launches below it (whole model on an H200, cond + uncond: 1536^2 (9,472 tokens) 311 ms stock, 596 split;
+# 2048^2 (16,640) 0.98x stock's time).
+SPLIT_FLOOR_SCALE = 2
 WORKING_SETS = {"lumina2": WorkingSet(stock=18.0, bounded_whole=1.95, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py"),
                 "zimage": WorkingSet(stock=14.0, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py")}
 

@@ -40,6 +40,10 @@ MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=1.0,
                                measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; SD3.5 Large 2048^2 0.39 split (Medium not measured); unsplit: ComfyUI's own blocks run")
 # calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
 SHORT_RUNS_STOCK = True
+# Split only from 2x the runtime's floor (16,384 tokens an item): a split SD3.5 Large costs the host about 1.1 s
+# a model call (whole model on an H200, cond + uncond: 1536^2 (9,370 tokens) 495 ms stock, 1,101 split; 1792^2
+# (12,698) 758 / 1,080; 2048^2 (16,538) 0.96x stock's time).
+SPLIT_FLOOR_SCALE = 2
 WORKING_SETS = {"joint": WorkingSet(stock=19.21, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Large)"),
                 "joint_self_attention": WorkingSet(stock=27.21, bounded_whole=3.06, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Medium: x's second attention)")}
 
