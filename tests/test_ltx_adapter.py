@@ -345,7 +345,7 @@ def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
     assert dispatch.split_floor(config) == 8192 and dispatch.split_floor(ltx_config) == 24576
     assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
     assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})
-    assert dispatch.family_config(config, importlib.import_module(env.pack.__name__ + ".nodes.cosmos")) is config
+    assert dispatch.family_config(config, importlib.import_module(env.pack.__name__ + ".nodes.kandinsky5")) is config
     model = ltx_model().model.diffusion_model
     short = planner.plan(ltx, model, (2, 16, 16, 22, 38), config)      # 13,376 tokens an item
     long = planner.plan(ltx, model, (2, 16, 33, 22, 38), config)       # 27,588
