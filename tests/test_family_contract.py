@@ -34,8 +34,9 @@ def env():
 
 @pytest.fixture(autouse=True)
 def _family_floor(request, env):
-    """A family that splits only from a multiple of the runtime's floor (its `SPLIT_FLOOR_SCALE`, every family but Kandinsky 5 and HiDream) gets
-    that fraction of the cases' floor, so that its 4,096-token items split like the others'."""
+    """A family that splits only from a multiple of the runtime's floor (its `SPLIT_FLOOR_SCALE`, every family
+    but Kandinsky 5 and HiDream) gets that fraction of the cases' floor, so that its 4,096-token items split like
+    the others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
     module = family_cases.ADAPTER_MODULES.get(family) if family is not None else None
     scale = getattr(importlib.import_module(f"{env.pack.__name__}.nodes.{module}"), "SPLIT_FLOOR_SCALE", 1) \
@@ -203,8 +204,8 @@ def test_gguf_weights(env, family):
 def test_each_family_splits_from_its_own_floor(env, family):
     """The runtime's floor set just under the case's tokens of one item (its longest self-attention in a stock
     forward, / 1.2: some guards count the image stream alone): families whose floor is that times
-    `SPLIT_FLOOR_SCALE` > 1 (Cosmos 3.5, LTX 3, Wan, SD3 and Lumina 2 2, Flux and Qwen-Image 1.5: their split blocks are bound by the host's launches
-    there) keep the items whole, the others split them; the output is stock's either way."""
+    `SPLIT_FLOOR_SCALE` > 1 (Cosmos 3.5, LTX 3, Wan, SD3 and Lumina 2 2, Flux and Qwen-Image 1.5: their split
+    blocks are bound by the host's launches there) keep the items whole, the others split them; the output is stock's either way."""
     case = family_cases.case(family)
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.{family_cases.ADAPTER_MODULES[family]}")
     scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1)
