@@ -353,9 +353,15 @@ class SpanningNormRope:
         return cached[1]
 
     def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
+        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start   # t's first token of the call
+        end = first + t.shape[1]
+        freqs = self.freqs[which]
+        if freqs is not None and first:
+            freqs = freqs[:, first:end]
         for index, (start, stop, *norms) in enumerate(self.ranges):
-            stop = t.shape[1] if stop is None else stop
-            self._range_(t, start, stop, (index, which), norms[which], self.freqs[which], heads, group)
+            start, stop = max(start, first), min(end if stop is None else stop, end)
+            if start < stop:
+                self._range_(t, start - first, stop - first, (index, which), norms[which], freqs, heads, group)
 
     def _range_(self, t: torch.Tensor, start: int, stop: int, key: tuple, norm, freqs, heads: range,
                 group) -> None:
@@ -423,6 +429,9 @@ class SpanningNormRope:
         if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
                 (freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1)):
             return None
+        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start
+        if freqs is not None and first:
+            freqs = freqs[:, first:first + query.shape[1]]
         inverse = self._inverse((0, 0), norm, group.mean_squares[0])
         weight = self._weight((0, 0), norm, query, group.q)
         return fuse(query, inverse, weight, freqs, settings)
@@ -437,7 +446,8 @@ def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, head_dim: int, config,
            transformer_options: dict, freqs: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
            kv_heads: Optional[int] = None, stream_modules: Optional[Sequence] = None,
-           keep_keys: Optional[float] = None, key_freqs=None, context_list: Optional[list] = None) -> torch.Tensor:
+           keep_keys: Optional[float] = None, key_freqs=None, context_list: Optional[list] = None,
+           reuse_input: bool = False) -> torch.Tensor:
     """The attention `form` describes, of `module`: `x_lists` holds one `[x]` per stream (each cleared: the
     runtime holds the only reference and frees x once projected), x `(B, n_i, C)`. `freqs`: the tables of
     the form's RoPE over the joined tokens (pairs: `(B or 1, sum n_i, 1 or heads, D/2, 2, 2)`; see
@@ -446,7 +456,9 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
     up in (default: `module` for all). `keep_keys`: with a norm spanning heads, the share of head groups whose
     keys the statistics pass keeps for them (see `qkv_core.statistics`). `context_list`: `[context]` (cleared)
     `(B, M, C')`: a cross-attention of one stream, queries from x and keys/values from the context (mask
-    `(B or 1, heads or 1, N, M)`). Returns `(B, sum n_i, heads, head_dim)`."""
+    `(B or 1, heads or 1, N, M)`). `reuse_input=True`: the caller's x is its own temporary, which the runtime
+    may turn into the result (the runtime's `reuse_input`; never for a cross-attention). Returns `(B, sum n_i,
+    heads, head_dim)`."""
     if len(x_lists) != len(form.streams):
         raise ValueError(f"{len(form.streams)} streams described, {len(x_lists)} given")
     if context_list is not None:
@@ -476,6 +488,8 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
     references = transformer_options.get(REFERENCE_CACHE_KEY)
     if references is not None:   # the reference cache's step: capture the references' keys, or attend them
         options.update(references.attention_options(start, mask is not None))
+    if reuse_input:
+        options["reuse_input"] = True
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
 
 

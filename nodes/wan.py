@@ -132,10 +132,12 @@ BLOCK_KEPT_KEYS = 0.3
 ATTENTION_ONLY_KEPT_KEYS = 1.0
 
 
-def self_attention(module, x_list, freqs, config, transformer_options, keep_keys: float) -> torch.Tensor:
-    """Wan self-attention of `[x]` (list cleared) without the output projection: `(B, N, heads, head_dim)`."""
+def self_attention(module, x_list, freqs, config, transformer_options, keep_keys: float,
+                   reuse_input: bool = False) -> torch.Tensor:
+    """Wan self-attention of `[x]` (list cleared) without the output projection: `(B, N, heads, head_dim)`.
+    `reuse_input`: x is the caller's own temporary (the runtime may return it as the result)."""
     return attend(module, SELF_ATTENTION, [x_list], module.num_heads, module.head_dim, config, transformer_options,
-                  freqs=freqs, keep_keys=keep_keys)
+                  freqs=freqs, keep_keys=keep_keys, reuse_input=reuse_input)
 
 
 def _cross_norm(module, key_norm: Optional[str], whole: bool = False) -> SpanningNormRope:
@@ -287,7 +289,9 @@ def self_attention_phase(block, x, mod, freqs, config, transformer_options, step
         torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
     handed_off = [modulated]
     del modulated   # the runtime holds the only reference: a projection that no longer needs it frees it
-    attention = self_attention(block.self_attn, handed_off, freqs, config, transformer_options, BLOCK_KEPT_KEYS)
+    # (with SageAttention 2 staged, the runtime may keep the keys and the result in its storage instead)
+    attention = self_attention(block.self_attn, handed_off, freqs, config, transformer_options, BLOCK_KEPT_KEYS,
+                               reuse_input=True)
     handed_off = [attention.flatten(2)]
     del attention
     y = linear_handed_off(block.self_attn.o, handed_off, x)

@@ -284,6 +284,27 @@ class StagedCore:
     def staged_attention(self, out, quantized, settings, mask=None):  # pragma: no cover
         raise NotImplementedError
 
+    # Quantized q assembled from chunks of tokens (a call that reuses its input quantizes q at full width, a
+    # chunk of tokens at a time, before any group: input_reuse.py). A core offers it through all four.
+    def q_row_tile(self, settings) -> Optional[int]:
+        """Tokens a tile of q's quantized layout holds for `settings`, when that layout can be assembled from
+        chunks of whole tiles (`empty_quantized_q`, `place_quantized_q_rows`, `quantized_q_heads`); else None."""
+        return None
+
+    def empty_quantized_q(self, q_shape, settings):  # pragma: no cover
+        """An uninitialized quantized q of every head, `q_shape` `(B, N, heads, D)`, as `staged_quantize_q`
+        returns it for `settings`' dtype and device."""
+        raise NotImplementedError
+
+    def place_quantized_q_rows(self, full, part, token_start: int) -> None:  # pragma: no cover
+        """`part` (`staged_quantize_q` of the tokens from `token_start`, a multiple of `q_row_tile`, every head)
+        copied into `full` (`empty_quantized_q`)."""
+        raise NotImplementedError
+
+    def quantized_q_heads(self, full, heads: range):  # pragma: no cover
+        """The query heads `heads` of `full`, as `staged_attention` takes a group's quantized q."""
+        raise NotImplementedError
+
     def prefix_heads(self, prefix, heads: range):
         """The key/value heads `heads` of a native prefix in this core's layout (views), for `settings`."""
         raise ValueError(f"the {self.name} core keeps no native prefixes: cache the prefix with native=False (q8)")

@@ -23,11 +23,15 @@ _global_level = 3
 class HeadGroup(NamedTuple):
     """One group of heads. `q`, `kv`: ranges of query and key/value head indices. `mean_squares`: None, or
     `(q_mean_squares, k_mean_squares)`, float32 `(batch, tokens, 1)`, the per-token mean of squares over
-    all heads, for norms that span heads (`norm_spans_heads=True` with more than one group)."""
+    all heads, for norms that span heads (`norm_spans_heads=True` with more than one group). `tokens`: None
+    when the tensors a norm is handed hold every token of the call; else the range of the call's tokens they
+    hold (a call that reuses its input normalizes token chunks of every head: `reuse_input`), the mean squares
+    then being those of these tokens alone."""
 
     q: range
     kv: range
     mean_squares: Optional[tuple] = None
+    tokens: Optional[range] = None
 
 
 def parse_level(level: Level) -> int:

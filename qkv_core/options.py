@@ -46,6 +46,11 @@ class AttentionOptions:
     # (layer, start, stop): the keys/values of key/value tokens [start, stop) stored into `layer` (a
     # `PrefixLayer`) for later calls' `kv_prefix` (capture.py)
     capture_kv: Optional[tuple] = None
+    # the caller gives up its input for good (a self-attention's activation, contiguous, heads * head_dim wide,
+    # no other reference to it): a staged call with a spanning norm may then keep its keys in the input's
+    # storage and write the output there, so k is projected once (input_reuse.py); ignored where that does
+    # not apply
+    reuse_input: Optional[bool] = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

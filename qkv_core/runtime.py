@@ -30,6 +30,7 @@ from .tally import count_attention, count_split
 from .options import AttentionOptions
 from .capture import KVCapture
 from .prefix_join import prefix_tokens, resolve_prefix
+from .input_reuse import reuse_reason, run_in_input
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
 from .validation import (require_projections, take_activation, unpack_stream, validate_call, validate_extras,
@@ -133,7 +134,13 @@ class _Call:
             count_attention("the caller's attention function", len(groups))
         try:
             validate_native_prefix_core(o.kv_prefix, staged)
+            given_up = s.q_streams[0].x if o.reuse_input else None   # before `prepare` drops the stream's own
             s.prepare(len(groups))
+            if given_up is not None:
+                reused = self._run_in_input(given_up, groups, staged)
+                del given_up   # the prepared projections hold the input from here on, as in any call
+                if reused is not None:
+                    return reused
             capture = None if o.capture_kv is None else \
                 KVCapture(o.capture_kv, s.batch, s.kv_heads, s.head_dim, s.dtype, s.device)
             loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys, capture)
@@ -161,6 +168,20 @@ class _Call:
         finally:
             kept_keys.clear()
             s.release()
+
+    def _run_in_input(self, x: torch.Tensor, groups: list[HeadGroup],
+                      staged: Optional[StagedCore]) -> Optional[torch.Tensor]:
+        """The call in its input `x`'s storage (`input_reuse`; the streams prepared), or None where that does
+        not apply (nothing done: the usual path runs)."""
+        o, s = self.o, self.streams
+        settings = None
+        if staged is not None and len(groups) > 1:
+            settings = staged.settings((s.batch, s.q_tokens, len(groups[0].q), s.head_dim),
+                                       (s.batch, s.kv_tokens, len(groups[0].kv), s.head_dim), s.dtype, s.device,
+                                       o.softmax_scale)
+        if reuse_reason(x, o, s, staged, groups, settings) is not None:
+            return None
+        return run_in_input(x, s, groups, o, self.norm_rope, staged, settings, STATS_CHUNK_MULTIPLE)
 
 
 @torch.compiler.disable

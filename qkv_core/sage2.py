@@ -208,6 +208,35 @@ class Sage2Core(StagedCore):
         quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs)
         return None if quantized is None else (*quantized, None)
 
+    def q_row_tile(self, settings) -> Optional[int]:
+        """64 for the sm90 kernel (its q scales cover tiles of 64 tokens, nothing over all tokens), unless the
+        natural-log LSE (it keeps q in 16 bits) or a native prefix is asked for; else None."""
+        if settings.kernel != "sm90" or settings.return_lse or settings.prefix is not None:
+            return None
+        return CTA_Q
+
+    def empty_quantized_q(self, q_shape, settings):
+        """int8 `(B, N, heads, D)` and float32 per-thread scales `(B, heads, ceil(N / 64) * 32)`, uninitialized."""
+        batch, tokens, heads, _ = q_shape
+        scales = _ceil(tokens, CTA_Q) * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
+        return (torch.empty(tuple(q_shape), dtype=torch.int8, device=settings.device),
+                torch.empty((batch, heads, scales), dtype=torch.float32, device=settings.device), None)
+
+    def place_quantized_q_rows(self, full, part, token_start: int) -> None:
+        """`part`'s values and scales into their tokens of `full` (its scales cover whole tiles from
+        `token_start` on, a multiple of 64)."""
+        values, scales, _ = full
+        part_values, part_scales, _ = part
+        values[:, token_start:token_start + part_values.shape[1]].copy_(part_values)
+        first = token_start // CTA_Q * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
+        scales[:, :, first:first + part_scales.shape[2]].copy_(part_scales)
+
+    def quantized_q_heads(self, full, heads: range):
+        """A view of the heads' values (the kernel reads strided q) and a contiguous copy of their scales (it
+        reads them contiguous)."""
+        values, scales, _ = full
+        return values[:, :, heads.start:heads.stop], scales[:, heads.start:heads.stop].contiguous(), None
+
     def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None):
         """The attention of the quantized q, k, v written into `out` `(B, Nq, heads, D)` (a strided view of the
         call's output: the group's heads). With a native prefix, merged with the prefix's own pass. Returns the

@@ -142,7 +142,8 @@ class SpanningNormRope:
         self.table = table
         self.groups = []
 
-    def _norm(self, t: torch.Tensor, weight: torch.Tensor, heads: range, ms: Optional[torch.Tensor]):
+    def _norm(self, t: torch.Tensor, weight: torch.Tensor, heads: range, ms: Optional[torch.Tensor],
+              first: int = 0):
         d = self.head_dim
         w = weight[heads.start * d:heads.stop * d].view(len(heads), d)
 
@@ -155,17 +156,18 @@ class SpanningNormRope:
             y.mul_(scale).mul_(w)  # y is part itself (float32) or a fresh float32 copy
             del scale
             if self.rope:
-                rope_(y, a, self.table)
+                rope_(y, first + a, self.table)
             return y
         rows_(t, fn)
 
     def __call__(self, query, key, group) -> None:
         self.groups.append(group)
         ms = group.mean_squares
+        first = 0 if group.tokens is None else group.tokens.start   # a chunk of the call's tokens (reuse_input)
         if query is not None:
-            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0])
+            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0], first)
         if key is not None:
-            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1])
+            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1], first)
 
     def _ref(self, t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         t = t.double()
@@ -202,10 +204,11 @@ class WanNorm(SpanningNormRope):
 
     def __call__(self, query, key, group):
         ms = group.mean_squares
+        first = 0 if group.tokens is None else group.tokens.start
         if query is not None:
-            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0])
+            self._norm(query, self.q_weight, group.q, None if ms is None else ms[0], first)
         if key is not None:
-            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1])
+            self._norm(key, self.k_weight, group.kv, None if ms is None else ms[1], first)
 
 
 class PerHeadNormRope:
