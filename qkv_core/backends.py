@@ -291,9 +291,9 @@ class StagedCore:
         chunks of whole tiles (`empty_quantized_q`, `place_quantized_q_rows`, `quantized_q_heads`); else None."""
         return None
 
-    def empty_quantized_q(self, q_shape, settings, groups):  # pragma: no cover
-        """An uninitialized quantized q of every head, `q_shape` `(B, N, heads, D)`, for `settings`' dtype and
-        device, in the core's layout for the call's groups (`groups`: their query head ranges, in order)."""
+    def empty_quantized_q(self, q_shape, settings):  # pragma: no cover
+        """An uninitialized quantized q of every head, `q_shape` `(B, N, heads, D)`, as `staged_quantize_q`
+        returns it for `settings`' dtype and device."""
         raise NotImplementedError
 
     def place_quantized_q_rows(self, full, part, token_start: int) -> None:  # pragma: no cover

@@ -81,7 +81,7 @@ def run_in_input(x: torch.Tensor, streams: CallStreams, groups: list[HeadGroup],
         _, v = s.project_v(group, last=index == len(groups) - 1, k_later=False)
         values.append(core.staged_quantize_v([v], settings))
         del v
-    queries = _queries_and_keys_(x, stream, s, groups, norm_rope, o.fused_quant, core, settings, chunk_multiple)
+    queries = _queries_and_keys_(x, stream, s, norm_rope, o.fused_quant, core, settings, chunk_multiple)
     for index, group in enumerate(groups):   # 3. each group's keys leave the columns its output takes
         key = out[:, :, group.kv.start:group.kv.stop]
         quantized_k = core.staged_quantize_k([key], settings)
@@ -94,8 +94,8 @@ def run_in_input(x: torch.Tensor, streams: CallStreams, groups: list[HeadGroup],
     return out
 
 
-def _queries_and_keys_(x, stream, s: CallStreams, groups: list[HeadGroup], norm_rope: Callable,
-                       fused: Optional[Callable], core: StagedCore, settings, chunk_multiple: int):
+def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Optional[Callable],
+                       core: StagedCore, settings, chunk_multiple: int):
     """Step 2: the quantized q of every head (`core.empty_quantized_q`), k normalized and rotated into x's rows.
     Releases the q and k projections."""
     batch, tokens, heads, d = s.batch, s.q_tokens, s.heads, s.head_dim
@@ -103,7 +103,7 @@ def _queries_and_keys_(x, stream, s: CallStreams, groups: list[HeadGroup], norm_
     tile = core.q_row_tile(settings)
     multiple = chunk_multiple * tile // math.gcd(chunk_multiple, tile)
     step = -(-max(1, -(-tokens // CHUNK_FRACTION)) // multiple) * multiple
-    queries = core.empty_quantized_q((batch, tokens, heads, d), settings, [group.q for group in groups])
+    queries = core.empty_quantized_q((batch, tokens, heads, d), settings)
     every = range(heads)
     buffer = torch.empty((batch, min(step, tokens), width), dtype=s.dtype, device=s.device)
     try:

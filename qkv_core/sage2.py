@@ -215,36 +215,27 @@ class Sage2Core(StagedCore):
             return None
         return CTA_Q
 
-    def empty_quantized_q(self, q_shape, settings, groups):
-        """int8 values laid out group by group, `(groups, B, N, heads of a group, D)` (the kernel reads a
-        contiguous group's q faster than a strided view of every head's: 3.5 % of its time on an H200), and
-        float32 per-thread scales `(B, heads, ceil(N / 64) * 32)`, uninitialized. `groups`: the call's query head
-        ranges, in order, of one size."""
-        batch, tokens, heads, dim = q_shape
-        size = len(groups[0])
-        if any(group != range(i * size, (i + 1) * size) for i, group in enumerate(groups)) or \
-                size * len(groups) != heads:
-            raise ValueError("the quantized q is laid out by equal groups of consecutive heads")
+    def empty_quantized_q(self, q_shape, settings):
+        """int8 `(B, N, heads, D)` and float32 per-thread scales `(B, heads, ceil(N / 64) * 32)`, uninitialized."""
+        batch, tokens, heads, _ = q_shape
         scales = _ceil(tokens, CTA_Q) * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
-        return (torch.empty((len(groups), batch, tokens, size, dim), dtype=torch.int8, device=settings.device),
+        return (torch.empty(tuple(q_shape), dtype=torch.int8, device=settings.device),
                 torch.empty((batch, heads, scales), dtype=torch.float32, device=settings.device), None)
 
     def place_quantized_q_rows(self, full, part, token_start: int) -> None:
-        """`part`'s values (every head, `(B, n, heads, D)`) into their tokens of each group, its scales into
-        theirs (whole tiles from `token_start` on, a multiple of 64)."""
+        """`part`'s values and scales into their tokens of `full` (its scales cover whole tiles from
+        `token_start` on, a multiple of 64)."""
         values, scales, _ = full
         part_values, part_scales, _ = part
-        count, batch, _, size, dim = values.shape
-        n = part_values.shape[1]
-        values[:, :, token_start:token_start + n].copy_(
-            part_values.view(batch, n, count, size, dim).permute(2, 0, 1, 3, 4))
+        values[:, token_start:token_start + part_values.shape[1]].copy_(part_values)
         first = token_start // CTA_Q * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
         scales[:, :, first:first + part_scales.shape[2]].copy_(part_scales)
 
     def quantized_q_heads(self, full, heads: range):
-        """The group's values (contiguous) and its scales (contiguous: a copy for more than one batch item)."""
+        """A view of the heads' values (the kernel reads strided q) and a contiguous copy of their scales (it
+        reads them contiguous)."""
         values, scales, _ = full
-        return values[heads.start // values.shape[3]], scales[:, heads.start:heads.stop].contiguous(), None
+        return values[:, :, heads.start:heads.stop], scales[:, heads.start:heads.stop].contiguous(), None
 
     def staged_attention(self, out: torch.Tensor, quantized, settings, mask=None):
         """The attention of the quantized q, k, v written into `out` `(B, Nq, heads, D)` (a strided view of the

@@ -51,8 +51,7 @@ class RowsCore(qc.StagedCore):
     def q_row_tile(self, settings):
         return TILE
 
-    def empty_quantized_q(self, q_shape, settings, groups):
-        assert [h for group in groups for h in group] == list(range(q_shape[2]))
+    def empty_quantized_q(self, q_shape, settings):
         return torch.full(q_shape, float("nan"), dtype=settings["dtype"], device=settings["device"])
 
     def place_quantized_q_rows(self, full, part, token_start):
@@ -194,29 +193,28 @@ def test_where_it_does_not_apply_the_usual_path_runs_and_the_input_is_kept(core,
 
 
 
-def test_sage2_core_assembles_its_quantized_q_by_groups_from_token_chunks():
+def test_sage2_core_assembles_its_quantized_q_from_token_chunks():
     """SageAttention 2's sm90 layout (no kernel runs: plain tensor copies): chunks of every head placed at their
-    tokens give each group contiguous values and the scales of its heads, those of the whole call."""
+    tokens give each group the values and scales of its heads, those of the whole call; the kernel reads the
+    values strided, the scales contiguous."""
     from types import SimpleNamespace
     from qkv_core.sage2 import Sage2Core
     core = Sage2Core()
     settings = SimpleNamespace(kernel="sm90", return_lse=False, prefix=None, device=torch.device("cpu"))
     assert core.q_row_tile(settings) == 64
     assert core.q_row_tile(SimpleNamespace(kernel="triton", return_lse=False, prefix=None)) is None
+    assert core.q_row_tile(SimpleNamespace(kernel="sm90", return_lse=True, prefix=None)) is None
     batch, tokens, heads, dim = 2, 300, 6, 64
-    groups = [range(0, 2), range(2, 4), range(4, 6)]
     g = torch.Generator().manual_seed(0)
     values = torch.randint(-127, 128, (batch, tokens, heads, dim), generator=g, dtype=torch.int8)
     scales = torch.rand(batch, heads, -(-tokens // 64) * 32, generator=g)
-    full = core.empty_quantized_q((batch, tokens, heads, dim), settings, groups)
+    full = core.empty_quantized_q((batch, tokens, heads, dim), settings)
     for a in range(0, tokens, 128):
         b = min(a + 128, tokens)
         part = (values[:, a:b].clone(), scales[:, :, a // 2:-(-b // 64) * 32].clone(), None)
         core.place_quantized_q_rows(full, part, a)
-    for group in groups:
+    for group in (range(0, 2), range(2, 4), range(4, 6)):
         group_values, group_scales, _ = core.quantized_q_heads(full, group)
-        assert group_values.is_contiguous() and group_scales.is_contiguous()
+        assert group_values.stride(-1) == 1 and group_scales.is_contiguous()
         assert torch.equal(group_values, values[:, :, group.start:group.stop])
         assert torch.equal(group_scales, scales[:, group.start:group.stop])
-    with pytest.raises(ValueError, match="equal groups"):
-        core.empty_quantized_q((batch, tokens, heads, dim), settings, [range(0, 4), range(4, 6)])
