@@ -179,7 +179,7 @@ class _Call:
             settings = staged.settings((s.batch, s.q_tokens, len(groups[0].q), s.head_dim),
                                        (s.batch, s.kv_tokens, len(groups[0].kv), s.head_dim), s.dtype, s.device,
                                        o.softmax_scale)
-        if reuse_reason(x, o, s, staged, groups, settings) is not None:
+        if self.norm_rope is None or reuse_reason(x, o, s, staged, groups, settings) is not None:
             return None
         return run_in_input(x, s, groups, o, self.norm_rope, staged, settings, STATS_CHUNK_MULTIPLE)
 
