@@ -19,7 +19,8 @@ import qkv_core as qc
 from reference import make_qkv, randn
 
 
-def _sage2_reason():
+def sage2_reason():
+    """Why SageAttention 2's GPU tests cannot run here, or None (test_wan_gpu.py asks too)."""
     if not torch.cuda.is_available():
         return "needs CUDA (a GPU machine)"
     try:
@@ -29,7 +30,7 @@ def _sage2_reason():
     return None if version.split(".")[0] == "2" else f"SageAttention {version} is not 2.x"
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_sage2_reason() is not None, reason=str(_sage2_reason()))]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sage2_reason() is not None, reason=str(sage2_reason()))]
 
 
 def sm90():

@@ -95,14 +95,10 @@ def test_bounded_block_bf16_close_and_bounded(env):
 
 
 def _sage2_sm90_reason():
-    import importlib.metadata
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+    from test_sage2_gpu import sage2_reason
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         return "needs an sm90 GPU (SageAttention 2's staged sm90 core)"
-    try:
-        version = importlib.metadata.version("sageattention")
-    except importlib.metadata.PackageNotFoundError:
-        return "SageAttention is not installed"
-    return None if version.split(".")[0] == "2" else f"SageAttention {version} is not 2.x"
+    return sage2_reason()
 
 
 @pytest.mark.skipif(_sage2_sm90_reason() is not None, reason=str(_sage2_sm90_reason()))
