@@ -32,6 +32,7 @@ import torch
 from .backends import StagedCore
 from .head_split import HeadGroup
 from .options import AttentionOptions
+from .statistics import token_mean_squares
 from .streams import CallStreams
 
 # a chunk of the full-width pass holds at most |x| / CHUNK_FRACTION elements (one product's output, reused)
@@ -112,7 +113,7 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
             part = buffer[:, :n]
             stream.rows_into("q", part, 0, width, a)
             q = part.unflatten(-1, (heads, d))
-            group = HeadGroup(every, every, (_mean_squares(q), None), tokens=range(a, a + n))
+            group = HeadGroup(every, every, (token_mean_squares(q), None), tokens=range(a, a + n))
             quantized = fused(q, None, group, core, settings) if fused is not None else None
             if quantized is None:
                 norm_rope(q, None, group)
@@ -121,7 +122,7 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
             del quantized, q
             stream.rows_into("k", part, 0, width, a)   # x's rows [a, a + n) are read for the last time here
             k = part.unflatten(-1, (heads, d))
-            norm_rope(None, k, HeadGroup(every, every, (None, _mean_squares(k)), tokens=range(a, a + n)))
+            norm_rope(None, k, HeadGroup(every, every, (None, token_mean_squares(k)), tokens=range(a, a + n)))
             x[:, a:a + n].copy_(part)
             del k, part
     finally:
@@ -129,10 +130,4 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
         stream.release_projection("q")
         stream.release_projection("k")
     return queries
-
-
-def _mean_squares(t: torch.Tensor) -> torch.Tensor:
-    """Per-token mean of squares over every head, float32 `(B, n, 1)` (as the statistics pass sums them)."""
-    return torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_() \
-        .div_(t.shape[-2] * t.shape[-1]).unsqueeze(-1)
 
