@@ -352,12 +352,16 @@ class SpanningNormRope:
             self._inverse_rms[key] = cached = (mean_squares, inverse)
         return cached[1]
 
-    def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
-        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start   # t's first token of the call
-        end = first + t.shape[1]
+    def _tokens(self, which: int, t: torch.Tensor, group) -> tuple:
+        """(the call's first token that `t` holds, the RoPE table of `which` for t's tokens): `group.tokens`
+        says which when t is a chunk of them (the runtime's `reuse_input`)."""
+        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start
         freqs = self.freqs[which]
-        if freqs is not None and first:
-            freqs = freqs[:, first:end]
+        return first, freqs if freqs is None or not first else freqs[:, first:first + t.shape[1]]
+
+    def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
+        first, freqs = self._tokens(which, t, group)
+        end = first + t.shape[1]
         for index, (start, stop, *norms) in enumerate(self.ranges):
             start, stop = max(start, first), min(end if stop is None else stop, end)
             if start < stop:
@@ -425,13 +429,10 @@ class SpanningNormRope:
         if query is None or fuse is None or group.mean_squares is None or len(self.ranges) != 1:
             return None
         start, stop, norm, _ = self.ranges[0]
-        freqs = self.freqs[0]
+        _, freqs = self._tokens(0, query, group)
         if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
                 (freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1)):
             return None
-        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start
-        if freqs is not None and first:
-            freqs = freqs[:, first:first + query.shape[1]]
         inverse = self._inverse((0, 0), norm, group.mean_squares[0])
         weight = self._weight((0, 0), norm, query, group.q)
         return fuse(query, inverse, weight, freqs, settings)

@@ -1,0 +1,81 @@
+"""The bounded Wan block on a staged core that can reuse its modulated input (`reuse_input`, as SageAttention 2's
+sm90 core does), in the weight formats people load: a real ComfyUI, a tiny Wan, the fake row-tiled core of
+test_input_reuse.py (float copies as its "quantized" forms, so the results must equal stock's).
+
+Where the layers compute their projections by token ranges, the self-attention runs in its input (k projected
+once); fp8-scaled layers quantize their input once per layer call for every head group, so their projections do
+not take token ranges cheaply and the usual split runs. Either way the output is stock's.
+"""
+from __future__ import annotations
+
+import pytest
+
+import comfy_env
+from test_input_reuse import NAME, row_tiled_backend
+from test_wan_compat import _fp8_wan, forward, rel_err
+
+pytestmark = pytest.mark.comfyui
+
+
+@pytest.fixture(scope="module")
+def env():
+    # cond + uncond of 4,224 tokens each split (the floor counts one item; lowered as in test_wan_compat)
+    with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
+        yield modules
+
+
+@pytest.fixture
+def reuse_runs(env, monkeypatch, request):
+    """Registers the fake backend with the pack's runtime; returns the list `run_in_input` appends to."""
+    import importlib
+    env.core.register_backend(row_tiled_backend(env.core))
+    request.addfinalizer(lambda: env.core.unregister_backend(NAME))
+    runtime = importlib.import_module(env.core.__name__ + ".runtime")
+    runs, run_in_input = [], runtime.run_in_input
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return run_in_input(*args, **kwargs)
+    monkeypatch.setattr(runtime, "run_in_input", counted)
+    env.compat.forget_verdicts()
+    yield runs
+    env.compat.forget_verdicts()
+
+
+def _model(env, fmt):
+    torch = env.torch
+    if fmt == "float32":
+        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1)
+    if fmt == "bf16":
+        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1, dtype=torch.bfloat16)
+    if fmt == "fp8":
+        return _fp8_wan(torch)
+    if fmt == "fp8-scaled":
+        import comfy.ops
+        if not hasattr(comfy.ops, "mixed_precision_ops"):
+            pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
+        return comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
+    import gguf_env
+    gguf_env.require_gguf()
+    return gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
+
+
+# format: (tolerance against stock, does the self-attention run in its input)
+FORMATS = {"float32": (1e-5, True), "bf16": (2e-2, True), "fp8": (1e-5, True), "gguf": (1e-5, True),
+           "fp8-scaled": (1e-2, False)}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_bounded_block_reuses_its_input_where_the_layers_allow_and_equals_stock(env, reuse_runs, fmt):
+    base = _model(env, fmt)
+    tolerance, reused = FORMATS[fmt]
+    if fmt == "fp8":   # stored in fp8, computed in float32: sampled as ComfyUI samples it (test_wan_compat)
+        size = dict(frames=3, h=64, w=88, steps=1)   # cond + uncond: 2 x 4,224 tokens
+        reference = comfy_env.run_sample(base, **size)
+    else:
+        reference = forward(base)
+    patched, report = env.node.apply_patch(base, "Low", NAME, True)
+    assert not report.skipped_reasons, report.lines()
+    out = comfy_env.run_sample(patched, **size) if fmt == "fp8" else forward(base, patched)
+    assert rel_err(out.float(), reference.float()) <= tolerance
+    assert bool(reuse_runs) == reused, f"{fmt}: the self-attention {'did not run' if reused else 'ran'} in its input"
