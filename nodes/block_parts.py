@@ -9,7 +9,8 @@ from typing import Callable, Optional
 import torch
 
 from . import compat
-from .comfy_ops import CastLinear, chunk_tokens, even_chunk_tokens, not_row_sliceable, token_ranges
+from .comfy_ops import (CastLinear, chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps,
+                        run_every_op, token_ranges)
 
 # One chunk's hidden activation holds at most |x| / FFN_CHUNK_FRACTION elements: under the attention's own
 # peak at High, and the chunks stay large enough for the products to run near full speed (measured on Wan).
@@ -67,8 +68,8 @@ def _hidden_width(mlp) -> int:
 
 class ChunkedMLP:
     """`mlp` for several token chunks of one call. A `Sequential(Linear, activation, Linear)` with plain or
-    castable weights is cast once (`CastLinear`) and a GELU runs in place on the chunk's hidden activation, the
-    only wide transient; a `gated` MLP (`GatedMLP`) has its three layers cast once (a layer with its own
+    castable weights is cast once (`CastLinear`) and a GELU runs on the chunk's hidden activation, the only
+    wide transient (in the product's epilogue on CUDA for the tanh approximation, else in place: `CastLinear.gelu`); a `gated` MLP (`GatedMLP`) has its three layers cast once (a layer with its own
     format runs itself) and holds two hidden activations of the chunk at most; any other MLP or weight format
     runs the module itself on each chunk (its own fused quantized matmuls, GGUF, ...). `release()` when done."""
 
@@ -108,13 +109,12 @@ class ChunkedMLP:
             return down(hidden)
         if self.up is None:
             return self.mlp(t)
-        hidden = self.up(t)
-        del t
         activation = self.mlp[1]
         if type(activation) is torch.nn.GELU:
-            torch.ops.aten.gelu_(hidden, approximate=activation.approximate)
+            hidden = self.up.gelu(t, activation.approximate)
         else:
-            hidden = activation(hidden)
+            hidden = activation(self.up(t))
+        del t
         return self.down(hidden)
 
     def release(self) -> None:
@@ -122,6 +122,25 @@ class ChunkedMLP:
             if cast is not None:
                 cast.release()
         self.up = self.down = self.gated_layers = None
+
+
+def modulated_layer_norm(norm, x: torch.Tensor, shift: Optional[torch.Tensor],
+                         scale_plus_one: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """`norm(x) * scale_plus_one + shift` (the adaLN modulation of Wan's, Qwen-Image's blocks) in one launch: a
+    new tensor like `x` from `F.layer_norm` with the modulation as its weight and bias. Only where `norm` is a
+    plain LayerNorm (`comfy_ops.plain_layer_norm_eps`) and the modulation is one vector for every token of every
+    batch item (`(C,)`, or `(1, ..., 1, C)`) in `x`'s dtype and device; else None (the caller runs the norm,
+    then the modulation). It rounds once, where the two steps round the norm's output first: within a rounding
+    of `x`'s dtype of their result. `F.layer_norm` holds nothing of x's size but its output, so a whole
+    stream needs no token chunks."""
+    eps = plain_layer_norm_eps(norm)
+    width = x.shape[-1]
+    if eps is None or shift is None or scale_plus_one is None or \
+            any(t.numel() != width or t.shape[-1] != width or t.dtype != x.dtype or t.device != x.device
+                for t in (shift, scale_plus_one)):
+        return None
+    run_every_op()
+    return torch.nn.functional.layer_norm(x, (width,), scale_plus_one.reshape(width), shift.reshape(width), eps)
 
 
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],

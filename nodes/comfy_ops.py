@@ -43,6 +43,13 @@ PER_TENSOR_WEIGHT_ONLY_LAYOUTS = {"TensorWiseINT8Layout"}
 BLOCK_ROW_LAYOUTS = {"TensorCoreNVFP4Layout": "block_scale", "TensorCoreMXFP8Layout": "scale"}
 ROW_BLOCK = 128
 _RUN_EVERY_OP = getattr(comfy.ops, "run_every_op", None)
+# torch's product with an activation epilogue. On CUDA its GELU is cuBLASLt's GELU_BIAS epilogue, the tanh
+# approximation (or, where cuBLASLt is not taken, the product then `gelu_(..., "tanh")`); its CPU kernel applies
+# the exact GELU instead, so it is used on CUDA only (`CastLinear.gelu`).
+_ADDMM_ACTIVATION = getattr(torch, "_addmm_activation", None)
+# LayerNorm classes whose forward is `F.layer_norm(x, shape, weight, bias, eps)` (weights cast when needed)
+_CANONICAL_LAYER_NORM_FORWARDS = {torch.nn.LayerNorm.forward, comfy.ops.disable_weight_init.LayerNorm.forward}
+_CANONICAL_LAYER_NORM_CASTS = {comfy.ops.disable_weight_init.LayerNorm.forward_comfy_cast_weights}
 
 # Linear classes whose forward is exactly "cast_bias_weight when needed, then F.linear": their rows are exact
 _CANONICAL_FORWARDS = {comfy.ops.disable_weight_init.Linear.forward}
@@ -266,8 +273,42 @@ class CastLinear:
             return torch.baddbmm(self.bias.view(1, 1, -1), t, weight_t)
         return F.linear(t, self.weight, self.bias)
 
+    def gelu(self, t: torch.Tensor, approximate: str) -> torch.Tensor:
+        """`gelu(self(t), approximate=approximate)`, a new tensor. On CUDA, for the tanh approximation with a cast
+        weight and bias in `t`'s dtype and a contiguous `t`: one product whose epilogue applies the GELU
+        (`torch._addmm_activation`): no second pass over the hidden activation, the GELU taken of the product
+        before it is rounded (within a rounding of `t`'s dtype of the two steps). Else the product, then the GELU
+        in place."""
+        if approximate == "tanh" and _ADDMM_ACTIVATION is not None and self.own_format is None and \
+                self.bias is not None and t.is_cuda and torch.version.hip is None and t.is_contiguous() and \
+                t.dim() >= 2 and self.weight.dtype == t.dtype == self.bias.dtype:
+            flat = t.reshape(-1, t.shape[-1])
+            return _ADDMM_ACTIVATION(self.bias, flat, self.weight.t(), use_gelu=True).view(*t.shape[:-1], -1)
+        hidden = self(t)
+        torch.ops.aten.gelu_(hidden, approximate=approximate)
+        return hidden
+
     def release(self) -> None:
         self.weight = self.bias = None
+
+
+def plain_layer_norm_eps(norm) -> Optional[float]:
+    """The epsilon of `norm` when it computes `F.layer_norm(x, (C,), None, None, eps)`: a torch or ComfyUI
+    LayerNorm over the last dimension without weight or bias, running its class's own forward; else None."""
+    if not isinstance(norm, torch.nn.LayerNorm) or "forward" in vars(norm) or len(norm.normalized_shape) != 1 or \
+            getattr(norm, "weight", None) is not None or getattr(norm, "bias", None) is not None:
+        return None
+    cls = type(norm)
+    cast = getattr(cls, "forward_comfy_cast_weights", None)
+    if cls.forward not in _CANONICAL_LAYER_NORM_FORWARDS or (cast is not None and cast not in _CANONICAL_LAYER_NORM_CASTS):
+        return None
+    return norm.eps
+
+
+def run_every_op() -> None:
+    """ComfyUI's per-op hook (its interrupt check), as its own layers call it, where this ComfyUI has one."""
+    if _RUN_EVERY_OP is not None:
+        _RUN_EVERY_OP()
 
 
 class ComfyLinearRows(RowProjection):

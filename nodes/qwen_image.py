@@ -27,7 +27,7 @@ import comfy.ldm.qwen_image.model as qwen_model
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
-from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
+from .block_parts import chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm, projection_residual_
 from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
 from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
@@ -195,14 +195,26 @@ class ChunkModulation:
             return torch.addcmul(self.shift, normed, self.scale)
         return modulated_chunk(self.block, normed, self.mod, self.zero_from, a, b)
 
+    def of(self, norm, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        """The modulation of `norm(x)`, `x` the chunk [a, b) of the stream: in one launch where the norm is a
+        plain LayerNorm and one item's modulation serves every token (`block_parts.modulated_layer_norm`), else
+        the norm, then `self(...)`."""
+        fused = modulated_layer_norm(norm, x, self.shift, self.scale) if self.shift is not None else None
+        return fused if fused is not None else self(norm(x), a, b)
+
 
 def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int],
                     scale: int = 1) -> torch.Tensor:
-    """`_modulate(norm(x), mod)` in a fresh tensor like `x`, made by token chunks (the norm's and the
-    modulation's transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`)."""
+    """`_modulate(norm(x), mod)` in a fresh tensor like `x`: one launch where `ChunkModulation.of` would fuse
+    them (its only transient is its output), else made by token chunks (the norm's and the modulation's
+    transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`)."""
+    modulate = ChunkModulation(block, mod, zero_from)
+    if modulate.shift is not None:
+        whole = modulated_layer_norm(norm, x, modulate.shift, modulate.scale)   # one launch, no chunks needed
+        if whole is not None:
+            return whole
     out = torch.empty_like(x)
     tokens = x.shape[1]
-    modulate = ChunkModulation(block, mod, zero_from)
     for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() * scale // 8))):
         out.narrow(1, a, b - a).copy_(modulate(norm(x.narrow(1, a, b - a)), a, b))
     return out
@@ -272,7 +284,7 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
                                       (txt_out, block.txt_norm2, block.txt_mlp, txt_mod2, None)):
         modulate = ChunkModulation(block, mod, zero)
         mlp_residual_(out, feed_forward_layers(mlp),
-                      lambda a, b, out=out, norm=norm, modulate=modulate: modulate(norm(out[:, a:b]), a, b),
+                      lambda a, b, out=out, norm=norm, modulate=modulate: modulate.of(norm, out[:, a:b], a, b),
                       gated_add(mod, zero), scale=scale)
     return txt_out, img_out
 

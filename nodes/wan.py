@@ -12,7 +12,7 @@ a cloned ModelPatcher only.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from ..qkv_core import WholeProjection, cross_qkv_attention
 from . import compat
 from .attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
                         is_rms_norm)
-from .block_parts import output_projection_
+from .block_parts import modulated_layer_norm, output_projection_
 from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
 from .dispatch import attend_group, attention_kwargs, split_floor
@@ -252,6 +252,10 @@ class _Modulation:
             repeats = tokens // entries
             self.stride = repeats if repeats * entries == tokens else repeats + 1
 
+    def uniform(self, index: int) -> Optional[torch.Tensor]:
+        """Vector `index` `(B, 1, C)` where every token takes the same one, else None."""
+        return self.parts[index] if self.parts is not None and self.stride is None else None
+
     def __call__(self, index: int, a: int, b: int) -> torch.Tensor:
         if self.parts is None:
             return self.modulation[:, index] + self.e[:, a:b, index]
@@ -260,6 +264,15 @@ class _Modulation:
             return part
         entries = torch.arange(a, b, device=part.device) // self.stride
         return part.index_select(1, entries)
+
+
+def _modulated_norm(norm, mod: _Modulation, shift_index: int) -> Callable[[torch.Tensor], Optional[torch.Tensor]]:
+    """`fused(x)`: `norm(x) * (1 + e[shift_index + 1]) + e[shift_index]` in one launch
+    (`block_parts.modulated_layer_norm`), or None where it does not apply (a norm of another kind, a
+    modulation per token or per frame, or several batch items: the caller's two steps then)."""
+    shift, scale = mod.uniform(shift_index), mod.uniform(shift_index + 1)
+    scale_plus_one = None if scale is None else 1 + scale
+    return lambda x: modulated_layer_norm(norm, x, shift, scale_plus_one)
 
 
 def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
@@ -280,13 +293,17 @@ def run_bounded_block(block, x, e, freqs, context, context_img_len, config, tran
 
 def self_attention_phase(block, x, mod, freqs, config, transformer_options, step: int) -> torch.Tensor:
     """x + self_attn(modulated x) * e2 in a fresh tensor (the block's output buffer; x is not written).
-    The modulated input is made by token chunks and handed off; the output projection runs whole into a
+    The modulated input is made (see below) and handed off; the output projection runs whole into a
     new tensor (the modulated input is gone by then, so the attention result and the projection together
-    stay under the split's own peak), and the residual is added into the projection's storage."""
+    stay under the split's own peak), and the residual is added into the projection's storage. With a plain
+    LayerNorm and one modulation for every token, the modulated input is one `F.layer_norm` launch over all
+    tokens (its only transient is its output), else made by token chunks."""
     tokens = x.shape[1]
-    modulated = torch.empty_like(x)
-    for a, b in token_ranges(tokens, step):
-        torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
+    modulated = _modulated_norm(block.norm1, mod, 0)(x)   # whole, in one launch, where it applies
+    if modulated is None:
+        modulated = torch.empty_like(x)
+        for a, b in token_ranges(tokens, step):
+            torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
     handed_off = [modulated]
     del modulated   # the runtime holds the only reference: a projection that no longer needs it frees it
     # (with SageAttention 2 staged, the runtime may keep the keys and the result in its storage instead)
@@ -316,7 +333,9 @@ def cross_attention_phase(block, residual, context, context_img_len, config, tra
 
 def ffn_phase_(block, residual, mod) -> None:
     """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place. Plain weights are cast
-    once and the GELU runs in place on the chunk's hidden activation (the only wide transient); any other
+    once and the GELU runs on the chunk's hidden activation (the only wide transient; on CUDA in the up
+    projection's epilogue: `CastLinear.gelu`), the chunk's norm and modulation in one launch where they allow
+    (`_modulated_norm`); any other
     weight format runs ComfyUI's own FFN on each chunk (its fused int8 activation, GGUF, ...)."""
     batch, tokens, _ = residual.shape
     ffn = block.ffn
@@ -326,14 +345,16 @@ def ffn_phase_(block, residual, mod) -> None:
         not_row_sliceable(ffn[2]) is None
     up = CastLinear(ffn[0], residual) if plain else None
     down = CastLinear(ffn[2], residual) if plain else None
+    fused_norm = _modulated_norm(block.norm2, mod, 3)
     try:
         for a, b in token_ranges(tokens, ffn_step):
             part = residual[:, a:b]
-            modulated = torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b))
+            modulated = fused_norm(part)
+            if modulated is None:
+                modulated = torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b))
             if plain:
-                hidden = up(modulated)
+                hidden = up.gelu(modulated, ffn[1].approximate)
                 del modulated
-                torch.ops.aten.gelu_(hidden, approximate=ffn[1].approximate)
                 out = down(hidden)
                 del hidden
             else:

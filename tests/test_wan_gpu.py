@@ -56,6 +56,41 @@ def rel_err(a, b):
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
+def test_cast_linear_gelu_runs_in_the_product_epilogue(env):
+    """`CastLinear.gelu` on CUDA: one `torch._addmm_activation` (cuBLASLt's GELU epilogue, the tanh
+    approximation) whose result is the product then the GELU, but for the rounding of the product before the
+    GELU: within a bf16 step of it. The exact GELU takes the two steps."""
+    import comfy.ops
+    from benchmarks import bench
+    comfy_ops = sys.modules[f"{bench.PACK_PACKAGE}.nodes.comfy_ops"]
+    linear = comfy.ops.disable_weight_init.Linear(WIDTH, FFN, device="cuda", dtype=torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator, device="cuda") / WIDTH ** 0.5)
+        linear.bias.copy_(0.1 * torch.randn(linear.bias.shape, generator=generator, device="cuda"))
+        x = torch.randn(1, 4096, WIDTH, generator=generator, device="cuda").to(torch.bfloat16)
+        cast = comfy_ops.CastLinear(linear, x)
+        calls = []
+        fused_fn = torch._addmm_activation
+
+        class Mode(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types=(), args=(), kwargs=None):
+                if func is fused_fn:
+                    calls.append(func)
+                return func(*args, **(kwargs or {}))
+        with Mode():
+            fused = cast.gelu(x, "tanh")
+            exact = cast.gelu(x, "none")
+        product = linear(x)
+        two_steps = torch.nn.functional.gelu(product, approximate="tanh")
+    assert len(calls) == 1
+    assert fused.shape == two_steps.shape and fused.dtype == torch.bfloat16
+    # the product's rounding moves the GELU's input by half a bf16 step (its slope is at most ~1.13)
+    bound = 2.0 ** -7 * (1.2 * product.float().abs() + two_steps.float().abs()) + 1e-6
+    assert bool(((fused.float() - two_steps.float()).abs() <= bound).all())
+    assert torch.equal(exact, torch.nn.functional.gelu(product))
+
+
 @pytest.fixture
 def no_tf32():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
