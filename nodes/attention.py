@@ -389,13 +389,17 @@ class SpanningNormRope:
                     return rms_norm_rows(part, inverse[:, a:b], weight).to(part.dtype)
                 normalize = from_statistics
         elif t.is_cuda and t.shape[2] == self.heads and kernels.can_run(t):
-            # t holds every head: its statistics, then one fused pass
-            part = span(t)
-            mean_squares = torch.linalg.vector_norm(part, dim=(-2, -1), dtype=torch.float32).square_()
-            mean_squares = mean_squares.div_(part.shape[2] * part.shape[3]).unsqueeze(-1)
-            del part
-            if kernels.norm_rope_(span(t), self._inverse(key, norm, mean_squares), self._weight(key, norm, t, heads),
-                                  kernel_freqs):
+            # t holds every head: one fused pass that takes each token's statistics itself, else the statistics
+            # first, then the fused pass
+            weight = self._weight(key, norm, t, heads)
+            done = norm.eps is not None and kernels.norm_rope_(span(t), None, weight, kernel_freqs, span_eps=norm.eps)
+            if not done:
+                part = span(t)
+                mean_squares = torch.linalg.vector_norm(part, dim=(-2, -1), dtype=torch.float32).square_()
+                mean_squares = mean_squares.div_(part.shape[2] * part.shape[3]).unsqueeze(-1)
+                del part
+                done = kernels.norm_rope_(span(t), self._inverse(key, norm, mean_squares), weight, kernel_freqs)
+            if done:
                 if fused_rope:
                     return
             else:
@@ -423,19 +427,23 @@ class SpanningNormRope:
     def fused_quant(self, query, key, group, core, settings):
         """The runtime's `fused_quant`: a group's q normalized, rotated and quantized in one pass by the staged
         core (`core.norm_rope_quantize_q`, SageAttention 2 on sm90), for one stream whose q norm is an RMSNorm
-        over all heads from the statistics pass, with pair RoPE (Wan); None otherwise, and always for k (its
+        over all heads, from the statistics pass or, where q holds every head (unsplit, or a token chunk of
+        every head: `reuse_input`), from q itself in the same pass, with pair RoPE (Wan); None otherwise, and always for k (its
         smoothing needs the mean of the normalized keys first), and the runtime's own steps run."""
         fuse = getattr(core, "norm_rope_quantize_q", None)
-        if query is None or fuse is None or group.mean_squares is None or len(self.ranges) != 1:
+        if query is None or fuse is None or len(self.ranges) != 1:
             return None
         start, stop, norm, _ = self.ranges[0]
         _, freqs = self._tokens(0, query, group)
         if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
                 (freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1)):
             return None
-        inverse = self._inverse((0, 0), norm, group.mean_squares[0])
         weight = self._weight((0, 0), norm, query, group.q)
-        return fuse(query, inverse, weight, freqs, settings)
+        if group.mean_squares is not None:
+            return fuse(query, self._inverse((0, 0), norm, group.mean_squares[0]), weight, freqs, settings)
+        if query.shape[2] != self.heads or norm.eps is None:   # no statistics, and not every head to take them
+            return None
+        return fuse(query, None, weight, freqs, settings, span_eps=norm.eps)   # the pass takes them itself
 
 
 def token_freqs(freqs: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

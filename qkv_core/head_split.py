@@ -25,8 +25,8 @@ class HeadGroup(NamedTuple):
     `(q_mean_squares, k_mean_squares)`, float32 `(batch, tokens, 1)`, the per-token mean of squares over
     all heads, for norms that span heads (`norm_spans_heads=True` with more than one group). `tokens`: None
     when the tensors a norm is handed hold every token of the call; else the range of the call's tokens they
-    hold (a call that reuses its input normalizes token chunks of every head: `reuse_input`), the mean squares
-    then being those of these tokens alone."""
+    hold (a call that reuses its input normalizes token chunks of every head, `reuse_input`, with no
+    `mean_squares`: the chunks hold every head, so a norm that spans heads takes each token's from them)."""
 
     q: range
     kv: range

@@ -7,8 +7,9 @@ can be quantized before every key row has been seen. When the caller gives its i
 for good, the call needs no second projection, and holds less:
 
 1. v, group by group, quantized by the core as it is projected (fp8: half of v's 16 bits);
-2. one pass over chunks of tokens at full width: each chunk's q and k, their per-token mean squares from the
-   chunk itself (it holds every head); q normalized, rotated and quantized (the core's q layout has tiles of
+2. one pass over chunks of tokens at full width: each chunk's q and k, normalized with their per-token mean
+   squares from the chunk itself (it holds every head: the norm is handed no `mean_squares` and takes them,
+   in its fused pass on CUDA); q normalized, rotated and quantized (the core's q layout has tiles of
    tokens and nothing over all tokens: `StagedCore.q_row_tile`), k normalized and rotated and written into
    x's own rows of the chunk, which no projection reads again;
 3. each group: its keys, in x's storage, smoothed and quantized by the core; the kernel writes the group's
@@ -32,7 +33,6 @@ import torch
 from .backends import StagedCore
 from .head_split import HeadGroup
 from .options import AttentionOptions
-from .statistics import token_mean_squares
 from .streams import CallStreams
 
 # a chunk of the full-width pass holds at most |x| / CHUNK_FRACTION elements (one product's output, reused)
@@ -113,7 +113,8 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
             part = buffer[:, :n]
             stream.rows_into("q", part, 0, width, a)
             q = part.unflatten(-1, (heads, d))
-            group = HeadGroup(every, every, (token_mean_squares(q), None), tokens=range(a, a + n))
+            # the chunk holds every head: the norm takes each token's statistics from it (no mean squares)
+            group = HeadGroup(every, every, None, tokens=range(a, a + n))
             quantized = fused(q, None, group, core, settings) if fused is not None else None
             if quantized is None:
                 norm_rope(q, None, group)
@@ -122,7 +123,7 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
             del quantized, q
             stream.rows_into("k", part, 0, width, a)   # x's rows [a, a + n) are read for the last time here
             k = part.unflatten(-1, (heads, d))
-            norm_rope(None, k, HeadGroup(every, every, (None, token_mean_squares(k)), tokens=range(a, a + n)))
+            norm_rope(None, k, group)
             x[:, a:a + n].copy_(part)
             del k, part
     finally:

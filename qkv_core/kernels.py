@@ -33,12 +33,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, q_ptr, s_ptr, tokens, head_eps, split,
+    def _norm_rope_kernel(x_ptr, inv_ptr, w_ptr, w2_ptr, f_ptr, q_ptr, s_ptr, tokens, head_eps, split, span_eps,
                           stride_xb, stride_xt, stride_xh, stride_ib, stride_it, stride_fb, stride_ft, stride_wh,
                           stride_qb, stride_qt, stride_qh, stride_sb, stride_sh,
                           HEADS: tl.constexpr, DIM: tl.constexpr, BLOCK_T: tl.constexpr, HAS_INV: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_W2: tl.constexpr, HAS_F: tl.constexpr,
-                          HEAD_NORM: tl.constexpr, QUANT: tl.constexpr):
+                          HEAD_NORM: tl.constexpr, QUANT: tl.constexpr, SPAN_STATS: tl.constexpr):
         # one block of tokens of one batch item, every head: the RoPE table and the inverse RMS of a token
         # are read once and serve all its heads; each head's channels are one contiguous row. QUANT: instead of
         # writing x back, int8 into q_ptr with one float32 scale per pair of rows (r, r + 8) of each 16 rows
@@ -55,11 +55,20 @@ if triton is not None:
             f_odd = tl.load(table + 1, mask=mask, other=0.0)     # factor of x[2 i + 1]
         if HAS_INV:
             inv = tl.load(inv_ptr + batch * stride_ib + t * stride_it, mask=rows, other=0.0).to(tl.float32)
+        if SPAN_STATS:
+            # an RMSNorm over every head: each token's mean square from its whole row first (the block's rows
+            # are read again below, from the cache), where a separate reduction would read them from memory
+            squares = tl.zeros((BLOCK_T,), dtype=tl.float32)
+            for head in range(0, HEADS):
+                part = tl.load(x_ptr + batch * stride_xb + t[:, None] * stride_xt + head * stride_xh + c[None, :],
+                               mask=mask, other=0.0).to(tl.float32)
+                squares += tl.sum(part * part, axis=1)
+            inv = tl.rsqrt(squares / (HEADS * DIM) + span_eps)
         for head in range(0, HEADS):   # a compile-time count: Triton 3.6's interpreter takes no runtime one
             ptrs = x_ptr + batch * stride_xb + t[:, None] * stride_xt + head * stride_xh + c[None, :]
             raw = tl.load(ptrs, mask=mask, other=0.0)
             x = raw.to(tl.float32)
-            if HAS_INV:
+            if HAS_INV or SPAN_STATS:
                 x = x * inv[:, None]
             if HEAD_NORM:   # an RMSNorm over each head's channels (Flux's QKNorm, ...)
                 x = x * tl.rsqrt(tl.sum(x * x, axis=1) / DIM + head_eps)[:, None]
@@ -69,7 +78,7 @@ if triton is not None:
                     w2 = tl.load(w2_ptr + head * stride_wh + c).to(tl.float32)[None, :]
                     w = tl.where((t < split)[:, None], w, w2)
                 x = x * w
-            if HAS_INV or HAS_W or HEAD_NORM:  # the norm's output is rounded before the rotation, as the model does
+            if HAS_INV or SPAN_STATS or HAS_W or HEAD_NORM:  # the norm's output is rounded before the rotation, as the model does
                 x = x.to(raw.dtype).to(tl.float32)
             if HAS_F:
                 even, odd = tl.split(tl.reshape(x, (BLOCK_T, DIM // 2, 2)))
@@ -186,15 +195,17 @@ def can_run(t: torch.Tensor) -> bool:
 
 
 def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
-               freqs: Optional[torch.Tensor] = None, head_norm_eps: Optional[float] = None) -> bool:
+               freqs: Optional[torch.Tensor] = None, head_norm_eps: Optional[float] = None,
+               span_eps: Optional[float] = None) -> bool:
     """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional).
 
     `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
     every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, as Qwen-Image passes its
     table: computed in float32 all the same, which its model does in 16 bits). `head_norm_eps`: an RMSNorm over each head's
-    own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). Returns False (nothing done) when
-    the kernel cannot take the call."""
-    launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps)
+    own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). `span_eps` (no `inverse_rms`): the
+    inverse RMS over every head of `t` (`t` holds them all), `rsqrt(mean(t^2 over h, D) + span_eps)` in
+    float32, computed in the same pass. Returns False (nothing done) when the kernel cannot take the call."""
+    launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps, span_eps=span_eps)
     if launch is None:
         return False
     launch()
@@ -202,18 +213,18 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
 
 
 def norm_rope_quantize_per_thread(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
-                                  weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None
-                                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+                                  weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                                  span_eps: Optional[float] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """`norm_rope_`'s norm and rotation of q `(B, N, h, D)` (not changed), then int8 in SageAttention 2's
     per-thread q layout, in one pass: (int8 `(B, N, h, D)`, float32 scales `(B, h, ceil(N / 64) * 32)`: one per
     rows r and r + 8 of each 16 rows, max |x| / 127 + 1e-7), the values and scales its own quantizer gives for
     the normalized q (bitwise in the interpreter; on a GPU the compiler may contract the rotation into an FMA
-    differently than in `norm_rope_`, so a rare value lands one int8 step apart). None when the kernel cannot
-    take the call."""
+    differently than in `norm_rope_`, so a rare value lands one int8 step apart). `span_eps`: as in
+    `norm_rope_`. None when the kernel cannot take the call."""
     values = torch.empty(t.shape, dtype=torch.int8, device=t.device)
     windows = -(-t.shape[1] // PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // 2
     scales = torch.empty((t.shape[0], t.shape[2], windows), dtype=torch.float32, device=t.device)
-    launch = norm_rope_launch(t, inverse_rms, weight, freqs, quantize_into=(values, scales))
+    launch = norm_rope_launch(t, inverse_rms, weight, freqs, quantize_into=(values, scales), span_eps=span_eps)
     if launch is None:
         return None
     launch()
@@ -253,13 +264,17 @@ def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor, tile: int 
 def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
                      weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
                      head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
-                     split: Optional[int] = None, quantize_into: Optional[tuple] = None):
+                     split: Optional[int] = None, quantize_into: Optional[tuple] = None,
+                     span_eps: Optional[float] = None):
     """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
     kernel cannot take the call. A caller with several passes checks that every one can run before it runs
     any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
     instead: two adjacent streams whose norms differ only by their weights, in one pass. `quantize_into`:
-    `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`)."""
+    `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`). `span_eps`: the inverse
+    RMS over every head computed in the pass (see `norm_rope_`; not with `inverse_rms`)."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
+        return None
+    if span_eps is not None and inverse_rms is not None:
         return None
     batch, tokens, heads, dim = t.shape
     half = dim // 2
@@ -300,7 +315,7 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
         block_t = 16   # one window of 16 rows a block: every scale of the padded tiles is written
         grid = (triton.cdiv(tokens, PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // block_t, batch)
     args = (t, inv, w, w2, f, values, scales, tokens, 0.0 if head_norm_eps is None else float(head_norm_eps),
-            0 if split is None else int(split),
+            0 if split is None else int(split), 0.0 if span_eps is None else float(span_eps),
             t.stride(0), t.stride(1), t.stride(2),
             inv.stride(0) if inverse_rms is not None else 0, inv.stride(1) if inverse_rms is not None else 0,
             f.stride(0) if freqs is not None and f.shape[0] > 1 else 0, f.stride(1) if freqs is not None else 0,
@@ -308,7 +323,7 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
             values.stride(0), values.stride(1), values.stride(2), scales.stride(0), scales.stride(1))
     meta = dict(HEADS=heads, DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
                 HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None,
-                QUANT=quantize_into is not None)
+                QUANT=quantize_into is not None, SPAN_STATS=span_eps is not None)
 
     def launch():
         _norm_rope_kernel[grid](*args, **meta)

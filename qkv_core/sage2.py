@@ -197,15 +197,16 @@ class Sage2Core(StagedCore):
             return (*quantize_per_thread(q, "q", SM80_TILES), keep)
         return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
 
-    def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings):
+    def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings, span_eps=None):
         """`staged_quantize_q`'s result for q `(B, N, h, D)` before its norm and RoPE (`kernels.norm_rope_`'s
         arguments; q is not changed), normalized, rotated and quantized in one pass: the sm90 kernel's per-thread
         layout, what the three steps give (the same scales; a value one int8 step apart where the GPU compiler
         contracts the rotation differently: 2 in 4.1 million on an H200). None where that pass does not apply
-        (the caller then runs them)."""
+        (the caller then runs them). `span_eps` instead of `inverse_rms`: q holds every head, and the pass takes
+        each token's inverse RMS over them itself (`kernels.norm_rope_`)."""
         if settings.kernel != "sm90" or settings.return_lse:
             return None
-        quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs)
+        quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs, span_eps=span_eps)
         return None if quantized is None else (*quantized, None)
 
     def q_row_tile(self, settings) -> Optional[int]:

@@ -29,13 +29,6 @@ def sum_squares_(t: torch.Tensor, acc: torch.Tensor) -> None:
     acc += torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_()
 
 
-def token_mean_squares(t: torch.Tensor) -> torch.Tensor:
-    """Per-token mean of squares over every head of `t` `(B, n, heads, D)`, float32 `(B, n, 1)` (one reduction,
-    as `sum_squares_` sums them): the statistics of a chunk of tokens that holds every head."""
-    return torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_() \
-        .div_(t.shape[-2] * t.shape[-1]).unsqueeze(-1)
-
-
 def kept_key_groups(keep_keys: Optional[float], streams: CallStreams, groups: list[HeadGroup]) -> int:
     """How many of the first groups keep the k of the statistics pass: `keep_keys` of them (rounded down), where
     each group's k is projected on its own (not one module for k and v)."""

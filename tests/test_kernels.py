@@ -241,6 +241,46 @@ def test_norm_rope_quantize_per_thread_matches_the_two_passes_in_the_interpreter
     assert "cases 18" in run_in_interpreter(PER_THREAD)
 
 
+SPAN_STATS = textwrap.dedent('''
+import torch
+from qkv_core import kernels
+assert kernels.INTERPRET and kernels.triton is not None
+g = torch.Generator().manual_seed(5)
+cases = 0
+for dtype in (torch.float32, torch.bfloat16):
+    for tokens in (37, 130):
+        t = (torch.randn(2, tokens, 4, 64, generator=g) * 2).to(dtype)   # every head of a chunk of tokens
+        weight = (torch.randn(4, 64, generator=g) * 0.2 + 1).to(dtype)
+        freqs = torch.randn(1, tokens, 1, 32, 2, 2, generator=g)
+        eps = 1e-6
+        # the inverse RMS over every head, as the model's RMSNorm over the full width takes it
+        inv = torch.rsqrt(t.float().square().mean(dim=(-2, -1)) + eps).unsqueeze(-1)
+        for w, f in ((weight, freqs), (None, freqs), (weight, None)):
+            given, taken = t.clone(), t.clone()
+            assert kernels.norm_rope_(given, inv, w, f)
+            assert kernels.norm_rope_(taken, None, w, f, span_eps=eps)
+            # the same statistics summed in another order: a float32 rounding apart, a bf16 step at most
+            tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
+            assert float((taken.float() - given.float()).abs().max()) <= tolerance * float(given.float().abs().max())
+            if dtype == torch.bfloat16:
+                want, want_scales = kernels.norm_rope_quantize_per_thread(t, inv, w, f)
+                got, got_scales = kernels.norm_rope_quantize_per_thread(t, None, w, f, span_eps=eps)
+                assert int((got.int() - want.int()).abs().max()) <= 1   # an int8 step where a rounding tips
+                assert torch.allclose(got_scales, want_scales, rtol=2 ** -7)
+            cases += 1
+# not both: given statistics and statistics to take
+assert kernels.norm_rope_launch(t, inv, None, None, span_eps=1e-6) is None
+print("cases", cases)
+''')
+
+
+def test_norm_rope_takes_the_statistics_over_every_head_in_its_pass_in_the_interpreter():
+    """`span_eps`: the norm over every head (Wan's) takes each token's inverse RMS in the pass itself, where the
+    caller would reduce the chunk first: the numbers of the given statistics, for the in-place pass and the
+    quantizing one."""
+    assert "cases 12" in run_in_interpreter(SPAN_STATS)
+
+
 SMOOTH_K = textwrap.dedent('''
 import torch
 from qkv_core import kernels
