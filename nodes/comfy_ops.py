@@ -292,15 +292,30 @@ class CastLinear:
         self.weight = self.bias = None
 
 
+def _gguf_layer_without_weights(norm) -> bool:
+    """city96/ComfyUI-GGUF's LayerNorm (`GGMLLayer`) with nothing quantized: its cast method then runs ComfyUI's
+    (`forward_comfy_cast_weights` of ComfyUI's LayerNorm), so the layer computes what ComfyUI's does. Told by
+    structure, as `dequantizes_itself`."""
+    is_quantized = getattr(norm, "is_ggml_quantized", None)
+    if not (callable(is_quantized) and callable(getattr(type(norm), "forward_ggml_cast_weights", None))):
+        return False
+    try:
+        return not is_quantized()
+    except Exception:  # noqa: BLE001 - an unknown layer that cannot answer runs as it is
+        return False
+
+
 def plain_layer_norm_eps(norm) -> Optional[float]:
     """The epsilon of `norm` when it computes `F.layer_norm(x, (C,), None, None, eps)`: a torch or ComfyUI
-    LayerNorm over the last dimension without weight or bias, running its class's own forward; else None."""
+    LayerNorm over the last dimension without weight or bias (also ComfyUI-GGUF's, which casts like ComfyUI's
+    when it has nothing quantized), running its class's own forward; else None."""
     if not isinstance(norm, torch.nn.LayerNorm) or "forward" in vars(norm) or len(norm.normalized_shape) != 1 or \
             getattr(norm, "weight", None) is not None or getattr(norm, "bias", None) is not None:
         return None
     cls = type(norm)
     cast = getattr(cls, "forward_comfy_cast_weights", None)
-    if cls.forward not in _CANONICAL_LAYER_NORM_FORWARDS or (cast is not None and cast not in _CANONICAL_LAYER_NORM_CASTS):
+    if cls.forward not in _CANONICAL_LAYER_NORM_FORWARDS or \
+            (cast is not None and cast not in _CANONICAL_LAYER_NORM_CASTS and not _gguf_layer_without_weights(norm)):
         return None
     return norm.eps
 

@@ -130,13 +130,25 @@ class LayerNormCalls:
         self.mode.__exit__(*exc)
 
 
-@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def _gguf_wan(kind):
+    import gguf_env
+    return gguf_env.make_gguf_wan("Q8_0", kind, layers=1)
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v", "gguf"])
 @pytest.mark.parametrize("level", ["Off", "High"])
 def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_everything, kind, level):
     """One batch item (a sampler's cond or uncond alone): the bounded block's norm1 and norm2 take the fused
-    launch, and the whole model's output is ComfyUI's own."""
+    launch, and the whole model's output is ComfyUI's own; also with GGUF weights (ComfyUI-GGUF's LayerNorm,
+    nothing quantized in it)."""
     torch = env.torch
-    base = comfy_env.make_wan(kind, dim=256, heads=8, layers=1)
+    if kind == "gguf":
+        base, kind = _gguf_wan("t2v"), "t2v"
+        norm = base.model.diffusion_model.blocks[0].norm1
+        assert "GGML" in type(norm).__qualname__ or "GGML" in str(type(norm).__mro__)
+        assert env.ops.plain_layer_norm_eps(norm) == norm.eps
+    else:
+        base = comfy_env.make_wan(kind, dim=256, heads=8, layers=1)
     size = dict(frames=2, h=32, w=32, batch=1)
 
     def run(patcher=None):
@@ -153,7 +165,8 @@ def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_every
     patched, report = env.node.apply_patch(base, level, "sdpa", True)
     assert report.any_patched and not report.skipped_reasons, report.lines()
     run(patched)   # the self-check, once
-    with LayerNormCalls(torch, 256) as calls:
+    width = base.model.diffusion_model.blocks[0].norm1.normalized_shape[0]
+    with LayerNormCalls(torch, width) as calls:
         out = run(patched)
     assert calls.count >= 2, calls.count   # norm1 whole, norm2 by FFN chunks
     assert float((out - reference).abs().max() / reference.abs().max()) <= 1e-5
