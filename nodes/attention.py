@@ -428,8 +428,9 @@ class SpanningNormRope:
         """The runtime's `fused_quant`: a group's q normalized, rotated and quantized in one pass by the staged
         core (`core.norm_rope_quantize_q`, SageAttention 2 on sm90), for one stream whose q norm is an RMSNorm
         over all heads, from the statistics pass or, where q holds every head (unsplit, or a token chunk of
-        every head: `reuse_input`), from q itself in the same pass, with pair RoPE (Wan); None otherwise, and always for k (its
-        smoothing needs the mean of the normalized keys first), and the runtime's own steps run."""
+        every head: `reuse_input`), from q itself in the same pass, with pair RoPE (Wan); None otherwise, and
+        always for k (its smoothing needs the mean of the normalized keys first), and the runtime's own steps
+        run."""
         fuse = getattr(core, "norm_rope_quantize_q", None)
         if query is None or fuse is None or len(self.ranges) != 1:
             return None

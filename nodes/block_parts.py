@@ -69,7 +69,8 @@ def _hidden_width(mlp) -> int:
 class ChunkedMLP:
     """`mlp` for several token chunks of one call. A `Sequential(Linear, activation, Linear)` with plain or
     castable weights is cast once (`CastLinear`) and a GELU runs on the chunk's hidden activation, the only
-    wide transient (in the product's epilogue on CUDA for the tanh approximation, else in place: `CastLinear.gelu`); a `gated` MLP (`GatedMLP`) has its three layers cast once (a layer with its own
+    wide transient (in the product's epilogue on CUDA for the tanh approximation, else in place:
+    `CastLinear.gelu`); a `gated` MLP (`GatedMLP`) has its three layers cast once (a layer with its own
     format runs itself) and holds two hidden activations of the chunk at most; any other MLP or weight format
     runs the module itself on each chunk (its own fused quantized matmuls, GGUF, ...). `release()` when done."""
 

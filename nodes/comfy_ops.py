@@ -246,8 +246,7 @@ class CastLinear:
             self.own_format = "ComfyUI's fp8 ops: the layer's own fp8 matmul"
         if self.own_format is not None:
             return
-        if _RUN_EVERY_OP is not None:
-            _RUN_EVERY_OP()  # ComfyUI's interrupt check, as its own Linear.forward does
+        run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
         if dequantizes_itself(linear):
             weight, bias = linear.cast_bias_weight(x)   # the layer's own dequantized, patched weight
         elif _needs_cast(linear) or linear.weight.dtype != x.dtype or linear.weight.device != x.device:

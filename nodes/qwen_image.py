@@ -195,24 +195,27 @@ class ChunkModulation:
             return torch.addcmul(self.shift, normed, self.scale)
         return modulated_chunk(self.block, normed, self.mod, self.zero_from, a, b)
 
+    def fused(self, norm, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The modulation of `norm(x)` in one launch where the norm is a plain LayerNorm and one item's
+        modulation serves every token (`block_parts.modulated_layer_norm`), else None."""
+        return modulated_layer_norm(norm, x, self.shift, self.scale) if self.shift is not None else None
+
     def of(self, norm, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """The modulation of `norm(x)`, `x` the chunk [a, b) of the stream: in one launch where the norm is a
-        plain LayerNorm and one item's modulation serves every token (`block_parts.modulated_layer_norm`), else
-        the norm, then `self(...)`."""
-        fused = modulated_layer_norm(norm, x, self.shift, self.scale) if self.shift is not None else None
+        """The modulation of `norm(x)`, `x` the chunk [a, b) of the stream: `fused`, else the norm, then
+        `self(...)`."""
+        fused = self.fused(norm, x)
         return fused if fused is not None else self(norm(x), a, b)
 
 
 def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int],
                     scale: int = 1) -> torch.Tensor:
-    """`_modulate(norm(x), mod)` in a fresh tensor like `x`: one launch where `ChunkModulation.of` would fuse
+    """`_modulate(norm(x), mod)` in a fresh tensor like `x`: one launch where `ChunkModulation.fused` takes
     them (its only transient is its output), else made by token chunks (the norm's and the modulation's
     transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`)."""
     modulate = ChunkModulation(block, mod, zero_from)
-    if modulate.shift is not None:
-        whole = modulated_layer_norm(norm, x, modulate.shift, modulate.scale)   # one launch, no chunks needed
-        if whole is not None:
-            return whole
+    whole = modulate.fused(norm, x)   # one launch, no chunks needed
+    if whole is not None:
+        return whole
     out = torch.empty_like(x)
     tokens = x.shape[1]
     for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() * scale // 8))):

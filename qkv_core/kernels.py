@@ -78,7 +78,7 @@ if triton is not None:
                     w2 = tl.load(w2_ptr + head * stride_wh + c).to(tl.float32)[None, :]
                     w = tl.where((t < split)[:, None], w, w2)
                 x = x * w
-            if HAS_INV or SPAN_STATS or HAS_W or HEAD_NORM:  # the norm's output is rounded before the rotation, as the model does
+            if HAS_INV or SPAN_STATS or HAS_W or HEAD_NORM:  # the norm's output rounded before the rotation, as models do
                 x = x.to(raw.dtype).to(tl.float32)
             if HAS_F:
                 even, odd = tl.split(tl.reshape(x, (BLOCK_T, DIM // 2, 2)))

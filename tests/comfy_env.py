@@ -524,6 +524,31 @@ class SdpaHeads:
         self.mode.__exit__(*exc)
 
 
+class TorchCalls:
+    """Records the calls of the torch function `func` (e.g. `torch.nn.functional.layer_norm`) made inside the
+    `with` block, through a TorchFunctionMode: `calls`, the `(args, kwargs)` of each that `keep(args, kwargs)`
+    accepts (every call by default)."""
+
+    def __init__(self, torch, func, keep=None):
+        self.torch, self.func, self.keep, self.calls = torch, func, keep, []
+
+    def __enter__(self):
+        recorder = self
+
+        class Mode(self.torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types=(), args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is recorder.func and (recorder.keep is None or recorder.keep(args, kwargs)):
+                    recorder.calls.append((args, kwargs))
+                return func(*args, **kwargs)
+        self.mode = Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
 def _pack_dir(module):
     locs = getattr(getattr(module, "__spec__", None), "submodule_search_locations", None) or []
     return Path(list(locs)[0]).resolve() if locs else None

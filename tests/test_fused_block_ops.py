@@ -105,29 +105,12 @@ def test_cast_linear_gelu_off_cuda_is_the_product_then_the_gelu(env, approximate
     assert torch.equal(out, expected)
 
 
-class LayerNormCalls:
-    """Counts `F.layer_norm` calls that carry a weight of `width` channels (the fused modulated norms)."""
-
-    def __init__(self, torch, width):
-        self.torch, self.width, self.count = torch, width, 0
-
-    def __enter__(self):
-        torch, recorder = self.torch, self
-
-        class Mode(torch.overrides.TorchFunctionMode):
-            def __torch_function__(self, func, types=(), args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if func is torch.nn.functional.layer_norm:
-                    weight = args[2] if len(args) > 2 else kwargs.get("weight")
-                    if weight is not None and weight.shape == (recorder.width,):
-                        recorder.count += 1
-                return func(*args, **kwargs)
-        self.mode = Mode()
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+def _fused_layer_norm(width):
+    """`TorchCalls`' filter for the fused modulated norms: `F.layer_norm` calls with a weight of `width`."""
+    def keep(args, kwargs):
+        weight = args[2] if len(args) > 2 else kwargs.get("weight")
+        return weight is not None and tuple(weight.shape) == (width,)
+    return keep
 
 
 def _gguf_wan(kind):
@@ -166,7 +149,7 @@ def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_every
     assert report.any_patched and not report.skipped_reasons, report.lines()
     run(patched)   # the self-check, once
     width = base.model.diffusion_model.blocks[0].norm1.normalized_shape[0]
-    with LayerNormCalls(torch, width) as calls:
+    with comfy_env.TorchCalls(torch, torch.nn.functional.layer_norm, _fused_layer_norm(width)) as fused:
         out = run(patched)
-    assert calls.count >= 2, calls.count   # norm1 whole, norm2 by FFN chunks
+    assert len(fused.calls) >= 2, len(fused.calls)   # norm1 whole, norm2 by FFN chunks
     assert float((out - reference).abs().max() / reference.abs().max()) <= 1e-5

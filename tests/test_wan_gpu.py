@@ -70,20 +70,12 @@ def test_cast_linear_gelu_runs_in_the_product_epilogue(env):
         linear.bias.copy_(0.1 * torch.randn(linear.bias.shape, generator=generator, device="cuda"))
         x = torch.randn(1, 4096, WIDTH, generator=generator, device="cuda").to(torch.bfloat16)
         cast = comfy_ops.CastLinear(linear, x)
-        calls = []
-        fused_fn = torch._addmm_activation
-
-        class Mode(torch.overrides.TorchFunctionMode):
-            def __torch_function__(self, func, types=(), args=(), kwargs=None):
-                if func is fused_fn:
-                    calls.append(func)
-                return func(*args, **(kwargs or {}))
-        with Mode():
+        with comfy_env.TorchCalls(torch, torch._addmm_activation) as epilogue:
             fused = cast.gelu(x, "tanh")
             exact = cast.gelu(x, "none")
         product = linear(x)
         two_steps = torch.nn.functional.gelu(product, approximate="tanh")
-    assert len(calls) == 1
+    assert len(epilogue.calls) == 1
     assert fused.shape == two_steps.shape and fused.dtype == torch.bfloat16
     # the product's rounding moves the GELU's input by half a bf16 step (its slope is at most ~1.13)
     bound = 2.0 ** -7 * (1.2 * product.float().abs() + two_steps.float().abs()) + 1e-6
