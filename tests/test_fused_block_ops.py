@@ -113,33 +113,49 @@ def _fused_layer_norm(width):
     return keep
 
 
-def _gguf_wan(kind):
+def _wan_model(torch, fmt):
+    """A tiny one-layer Wan in the weight format `fmt` (as tests/test_wan_input_reuse.py builds them)."""
+    if fmt in ("t2v", "i2v"):
+        return comfy_env.make_wan(fmt, dim=256, heads=8, layers=1)
+    if fmt == "bf16":
+        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1, dtype=torch.bfloat16)
+    if fmt == "fp8":
+        from test_wan_compat import _fp8_wan
+        return _fp8_wan(torch)
+    if fmt == "fp8-scaled":
+        import comfy.ops
+        if not hasattr(comfy.ops, "mixed_precision_ops"):
+            pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
+        return comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
     import gguf_env
-    return gguf_env.make_gguf_wan("Q8_0", kind, layers=1)
+    gguf_env.require_gguf()
+    return gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
 
 
-@pytest.mark.parametrize("kind", ["t2v", "i2v", "gguf"])
+# weight format -> tolerance against stock (bf16: its own rounding; fp8-scaled: its layers quantize their inputs)
+FORMATS = {"t2v": 1e-5, "i2v": 1e-5, "bf16": 2e-2, "fp8": 1e-5, "fp8-scaled": 1e-2, "gguf": 1e-5}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("level", ["Off", "High"])
-def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_everything, kind, level):
+def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_everything, fmt, level):
     """One batch item (a sampler's cond or uncond alone): the bounded block's norm1 and norm2 take the fused
-    launch, and the whole model's output is ComfyUI's own; also with GGUF weights (ComfyUI-GGUF's LayerNorm,
-    nothing quantized in it)."""
+    launch, and the whole model's output is ComfyUI's own, in every weight format (float32 T2V and I2V, bf16,
+    fp8 cast per call, fp8-scaled, GGUF Q8_0, whose LayerNorm is ComfyUI-GGUF's with nothing quantized)."""
     torch = env.torch
-    if kind == "gguf":
-        base, kind = _gguf_wan("t2v"), "t2v"
-        norm = base.model.diffusion_model.blocks[0].norm1
-        assert "GGML" in type(norm).__qualname__ or "GGML" in str(type(norm).__mro__)
-        assert env.ops.plain_layer_norm_eps(norm) == norm.eps
-    else:
-        base = comfy_env.make_wan(kind, dim=256, heads=8, layers=1)
+    base = _wan_model(torch, fmt)
+    kind = "i2v" if fmt == "i2v" else "t2v"
+    norm = base.model.diffusion_model.blocks[0].norm1
+    assert env.ops.plain_layer_norm_eps(norm) == norm.eps, type(norm).__mro__
     size = dict(frames=2, h=32, w=32, batch=1)
+    dtype = torch.float32 if fmt == "fp8" else None   # stored in fp8, computed in float32
 
     def run(patcher=None):
         if patcher is not None:
             patcher.patch_model(load_weights=False)
         try:
             with torch.no_grad():
-                return base.model.diffusion_model(**comfy_env.make_inputs(base.model, kind, **size))
+                return base.model.diffusion_model(**comfy_env.make_inputs(base.model, kind, **size, dtype=dtype))
         finally:
             if patcher is not None:
                 patcher.unpatch_model(unpatch_weights=False)
@@ -152,4 +168,4 @@ def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_every
     with comfy_env.TorchCalls(torch, torch.nn.functional.layer_norm, _fused_layer_norm(width)) as fused:
         out = run(patched)
     assert len(fused.calls) >= 2, len(fused.calls)   # norm1 whole, norm2 by FFN chunks
-    assert float((out - reference).abs().max() / reference.abs().max()) <= 1e-5
+    assert float((out.float() - reference.float()).abs().max() / reference.float().abs().max()) <= FORMATS[fmt]
