@@ -113,27 +113,16 @@ def _fused_layer_norm(width):
     return keep
 
 
-def _wan_model(torch, fmt):
-    """A tiny one-layer Wan in the weight format `fmt` (as tests/test_wan_input_reuse.py builds them)."""
-    if fmt in ("t2v", "i2v"):
-        return comfy_env.make_wan(fmt, dim=256, heads=8, layers=1)
-    if fmt == "bf16":
-        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1, dtype=torch.bfloat16)
-    if fmt == "fp8":
-        from test_wan_compat import _fp8_wan
-        return _fp8_wan(torch)
-    if fmt == "fp8-scaled":
-        import comfy.ops
-        if not hasattr(comfy.ops, "mixed_precision_ops"):
-            pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
-        return comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
-    import gguf_env
-    gguf_env.require_gguf()
-    return gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
+def _wan_model(env, fmt):
+    """A tiny one-layer Wan in the weight format `fmt`, as tests/test_wan_input_reuse.py builds them (I2V: float32)."""
+    if fmt == "i2v":
+        return comfy_env.make_wan("i2v", dim=256, heads=8, layers=1)
+    from test_wan_input_reuse import _model
+    return _model(env, fmt)
 
 
 # weight format -> tolerance against stock (bf16: its own rounding; fp8-scaled: its layers quantize their inputs)
-FORMATS = {"t2v": 1e-5, "i2v": 1e-5, "bf16": 2e-2, "fp8": 1e-5, "fp8-scaled": 1e-2, "gguf": 1e-5}
+FORMATS = {"float32": 1e-5, "i2v": 1e-5, "bf16": 2e-2, "fp8": 1e-5, "fp8-scaled": 1e-2, "gguf": 1e-5}
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -143,7 +132,7 @@ def test_wan_block_of_one_item_fuses_its_norms_and_equals_stock(env, split_every
     launch, and the whole model's output is ComfyUI's own, in every weight format (float32 T2V and I2V, bf16,
     fp8 cast per call, fp8-scaled, GGUF Q8_0, whose LayerNorm is ComfyUI-GGUF's with nothing quantized)."""
     torch = env.torch
-    base = _wan_model(torch, fmt)
+    base = _wan_model(env, fmt)
     kind = "i2v" if fmt == "i2v" else "t2v"
     norm = base.model.diffusion_model.blocks[0].norm1
     assert env.ops.plain_layer_norm_eps(norm) == norm.eps, type(norm).__mro__
