@@ -355,9 +355,12 @@ class SpanningNormRope:
     def _tokens(self, which: int, t: torch.Tensor, group) -> tuple:
         """(the call's first token that `t` holds, the RoPE table of `which` for t's tokens): `group.tokens`
         says which when t is a chunk of them (the runtime's `reuse_input`)."""
-        first = 0 if getattr(group, "tokens", None) is None else group.tokens.start
+        tokens = getattr(group, "tokens", None)
         freqs = self.freqs[which]
-        return first, freqs if freqs is None or not first else freqs[:, first:first + t.shape[1]]
+        if tokens is None:
+            return 0, freqs
+        # the chunk's own rows, the first chunk's too (a table of every token would not fit its fused pass)
+        return tokens.start, freqs if freqs is None else freqs[:, tokens.start:tokens.start + t.shape[1]]
 
     def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
         first, freqs = self._tokens(which, t, group)
@@ -423,6 +426,23 @@ class SpanningNormRope:
             self._apply_(query, 0, group.q, group)
         if key is not None:
             self._apply_(key, 1, group.kv, group)
+
+    def key_into(self, key, dest, group) -> bool:
+        """The runtime's `norm_key_into`: k's norm and RoPE in one fused pass written into `dest` (key's shape),
+        key not changed. Only where that pass takes the whole call: CUDA with Triton, key holding every head of
+        one stream's tokens, an RMSNorm with its eps, the pair RoPE of one rotation per token (or none); else
+        False and nothing is done."""
+        if len(self.ranges) != 1 or not key.is_cuda or key.shape[2] != self.heads or not kernels.can_run(key):
+            return False
+        start, stop, _, norm = self.ranges[0]
+        first, freqs = self._tokens(1, key, group)
+        if start > first or (stop is not None and stop < first + key.shape[1]) or not _is_norm(norm) or \
+                getattr(norm, "eps", None) is None:
+            return False
+        if freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1):
+            return False
+        weight = self._weight((0, 1), norm, key, group.kv)
+        return kernels.norm_rope_(key, None, weight, freqs, span_eps=norm.eps, into=dest)
 
     def fused_quant(self, query, key, group, core, settings):
         """The runtime's `fused_quant`: a group's q normalized, rotated and quantized in one pass by the staged
@@ -513,6 +533,7 @@ def _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options: dict, ke
         options.update(norm_spans_heads=True, keep_keys=keep_keys)
         if "attention_fn" not in options:   # a staged core may quantize q in the norm's pass
             options["fused_quant"] = norm_rope.fused_quant
+        options["norm_key_into"] = norm_rope.key_into   # a call that reuses its input: k's pass into its rows
     return norm_rope
 
 

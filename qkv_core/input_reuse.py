@@ -11,7 +11,8 @@ for good, the call needs no second projection, and holds less:
    squares from the chunk itself (it holds every head: the norm is handed no `mean_squares` and takes them,
    in its fused pass on CUDA); q normalized, rotated and quantized (the core's q layout has tiles of
    tokens and nothing over all tokens: `StagedCore.q_row_tile`), k normalized and rotated and written into
-   x's own rows of the chunk, which no projection reads again;
+   x's own rows of the chunk, which no projection reads again (by the norm's own pass where the caller
+   offers `norm_key_into`, else copied from the chunk);
 3. each group: its keys, in x's storage, smoothed and quantized by the core; the kernel writes the group's
    output into the same columns of x, which its keys have just left.
 
@@ -82,7 +83,8 @@ def run_in_input(x: torch.Tensor, streams: CallStreams, groups: list[HeadGroup],
         _, v = s.project_v(group, last=index == len(groups) - 1, k_later=False)
         values.append(core.staged_quantize_v([v], settings))
         del v
-    queries = _queries_and_keys_(x, stream, s, norm_rope, o.fused_quant, core, settings, chunk_multiple)
+    queries = _queries_and_keys_(x, stream, s, norm_rope, o.fused_quant, o.norm_key_into, core, settings,
+                                 chunk_multiple)
     for index, group in enumerate(groups):   # 3. each group's keys leave the columns its output takes
         key = out[:, :, group.kv.start:group.kv.stop]
         quantized_k = core.staged_quantize_k([key], settings)
@@ -96,9 +98,9 @@ def run_in_input(x: torch.Tensor, streams: CallStreams, groups: list[HeadGroup],
 
 
 def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Optional[Callable],
-                       core: StagedCore, settings, chunk_multiple: int):
-    """Step 2: the quantized q of every head (`core.empty_quantized_q`), k normalized and rotated into x's rows.
-    Releases the q and k projections."""
+                       key_into: Optional[Callable], core: StagedCore, settings, chunk_multiple: int):
+    """Step 2: the quantized q of every head (`core.empty_quantized_q`), k normalized and rotated into x's rows
+    (by `key_into`'s pass where it runs, else in the chunk buffer and copied). Releases the q and k projections."""
     batch, tokens, heads, d = s.batch, s.q_tokens, s.heads, s.head_dim
     width = heads * d
     tile = core.q_row_tile(settings)
@@ -123,8 +125,9 @@ def _queries_and_keys_(x, stream, s: CallStreams, norm_rope: Callable, fused: Op
             del quantized, q
             stream.rows_into("k", part, 0, width, a)   # x's rows [a, a + n) are read for the last time here
             k = part.unflatten(-1, (heads, d))
-            norm_rope(None, k, group)
-            x[:, a:a + n].copy_(part)
+            if key_into is None or not key_into(k, x[:, a:a + n].unflatten(-1, (heads, d)), group):
+                norm_rope(None, k, group)
+                x[:, a:a + n].copy_(part)
             del k, part
     finally:
         del buffer

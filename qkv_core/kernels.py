@@ -98,8 +98,9 @@ if triton is not None:
                          x.to(tl.int8), mask=mask)
                 tl.store(s_ptr + batch * stride_sb + head * stride_sh + block * (BLOCK_T // 2)
                          + tl.arange(0, BLOCK_T // 2), tl.reshape(scale, (BLOCK_T // 2,)))
-            else:
-                tl.store(ptrs, x.to(raw.dtype), mask=mask)
+            else:   # in place, or into another tensor of t's shape (q_ptr: t itself unless `into` is given)
+                tl.store(q_ptr + batch * stride_qb + t[:, None] * stride_qt + head * stride_qh + c[None, :],
+                         x.to(raw.dtype), mask=mask)
 
     @triton.jit
     def _smooth_quantize_k_kernel(k_ptr, m_ptr, v_ptr, s_ptr, tokens,
@@ -196,8 +197,9 @@ def can_run(t: torch.Tensor) -> bool:
 
 def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,
                freqs: Optional[torch.Tensor] = None, head_norm_eps: Optional[float] = None,
-               span_eps: Optional[float] = None) -> bool:
-    """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional).
+               span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None) -> bool:
+    """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional); with
+    `into` (t's shape and dtype, channels contiguous, not overlapping t) the result goes there and t is not changed.
 
     `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
     every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, as Qwen-Image passes its
@@ -205,7 +207,7 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). `span_eps` (no `inverse_rms`): the
     inverse RMS over every head of `t` (`t` holds them all), `rsqrt(mean(t^2 over h, D) + span_eps)` in
     float32, computed in the same pass. Returns False (nothing done) when the kernel cannot take the call."""
-    launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps, span_eps=span_eps)
+    launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps, span_eps=span_eps, into=into)
     if launch is None:
         return False
     launch()
@@ -265,13 +267,14 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
                      weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
                      head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
                      split: Optional[int] = None, quantize_into: Optional[tuple] = None,
-                     span_eps: Optional[float] = None):
+                     span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None):
     """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
     kernel cannot take the call. A caller with several passes checks that every one can run before it runs
     any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
     instead: two adjacent streams whose norms differ only by their weights, in one pass. `quantize_into`:
     `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`). `span_eps`: the inverse
-    RMS over every head computed in the pass (see `norm_rope_`; not with `inverse_rms`)."""
+    RMS over every head computed in the pass (see `norm_rope_`; not with `inverse_rms`). `into`: the 16-bit
+    result written there instead of into `t` (not with `quantize_into`)."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
         return None
     if span_eps is not None and inverse_rms is not None:
@@ -307,6 +310,11 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
     block_t = max(1, 2048 // dim)
     grid = (triton.cdiv(tokens, block_t), batch)
     values, scales = t, t
+    if into is not None:
+        if quantize_into is not None or into.shape != t.shape or into.dtype != t.dtype or \
+                into.device != t.device or into.stride(-1) != 1:
+            return None
+        values = into
     if quantize_into is not None:
         values, scales = quantize_into
         if dim > 128 or head_norm_eps is not None or weight2 is not None or values.stride(-1) != 1 or \

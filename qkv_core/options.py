@@ -39,6 +39,10 @@ class AttentionOptions:
     head_split_level: Optional[Level] = None
     # fused norm + RoPE + quantize for staged cores (SPEC 1.5)
     fused_quant: Optional[Callable] = None
+    # norm_key_into(key, dest, group) -> bool: k's norm and RoPE written into `dest` (key's shape) instead of
+    # in place, False (nothing done) where it cannot; a call that reuses its input (`reuse_input`) then writes
+    # its keys straight into the input's rows instead of copying them there
+    norm_key_into: Optional[Callable] = None
     # the fraction (0-1) of groups whose keys the statistics pass keeps for them
     keep_keys: Optional[float] = None
     # the fewest tokens (of one batch item) that are split; default `head_split.SPLIT_FLOOR_TOKENS`

@@ -262,22 +262,32 @@ for dtype in (torch.float32, torch.bfloat16):
             # the same statistics summed in another order: a float32 rounding apart, a bf16 step at most
             tolerance = 1e-5 if dtype == torch.float32 else 2 ** -7
             assert float((taken.float() - given.float()).abs().max()) <= tolerance * float(given.float().abs().max())
+            # `into`: the same result written into another tensor (here a strided view of a wider buffer, as the
+            # runtime's reuse of its input writes k into x's rows), t itself not changed
+            wider = torch.zeros(2, tokens + 3, 4, 64, dtype=dtype)
+            source = t.clone()
+            assert kernels.norm_rope_(source, None, w, f, span_eps=eps, into=wider[:, 1:tokens + 1])
+            assert torch.equal(source, t) and torch.equal(wider[:, 1:tokens + 1], taken)
+            assert not wider[:, 0].any() and not wider[:, tokens + 1:].any()
             if dtype == torch.bfloat16:
                 want, want_scales = kernels.norm_rope_quantize_per_thread(t, inv, w, f)
                 got, got_scales = kernels.norm_rope_quantize_per_thread(t, None, w, f, span_eps=eps)
                 assert int((got.int() - want.int()).abs().max()) <= 1   # an int8 step where a rounding tips
                 assert torch.allclose(got_scales, want_scales, rtol=2 ** -7)
             cases += 1
-# not both: given statistics and statistics to take
+# not both: given statistics and statistics to take; `into` of another shape or dtype, or beside quantize_into
 assert kernels.norm_rope_launch(t, inv, None, None, span_eps=1e-6) is None
+assert kernels.norm_rope_launch(t, None, None, None, span_eps=1e-6, into=t[:, 1:].clone()) is None
+assert kernels.norm_rope_launch(t, None, None, None, span_eps=1e-6, into=t.float()) is None
+assert kernels.norm_rope_launch(t, None, None, None, span_eps=1e-6, into=t.clone(), quantize_into=(t, t)) is None
 print("cases", cases)
 ''')
 
 
 def test_norm_rope_takes_the_statistics_over_every_head_in_its_pass_in_the_interpreter():
     """`span_eps`: the norm over every head (Wan's) takes each token's inverse RMS in the pass itself, where the
-    caller would reduce the chunk first: the numbers of the given statistics, for the in-place pass and the
-    quantizing one."""
+    caller would reduce the chunk first: the numbers of the given statistics, for the in-place pass, the one
+    written into another tensor (`into`) and the quantizing one."""
     assert "cases 12" in run_in_interpreter(SPAN_STATS)
 
 

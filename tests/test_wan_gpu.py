@@ -133,7 +133,7 @@ def _sage2_sm90_reason():
 def test_bounded_block_on_sage2_reuses_its_modulated_input(env, monkeypatch, level):
     """On SageAttention 2's sm90 core the bounded block hands its modulated input over for good
     (`reuse_input`): the self-attention keeps its keys and writes its result in that storage and projects k
-    once. Against the usual staged split: the same output but for the keys' mean summed in another order,
+    once, the keys written there by the norm's pass. Against the usual staged split: the same output but for the keys' mean summed in another order,
     a peak no higher, and stock's output within SageAttention's error. 8 heads of 64 (SageAttention's head
     dims are 64 and 128)."""
     import qkv_core.runtime as runtime   # the adapter's runtime (the benchmark loader shares the module)
@@ -141,18 +141,32 @@ def test_bounded_block_on_sage2_reuses_its_modulated_input(env, monkeypatch, lev
     block, x, inputs = build(torch.bfloat16, heads=8)
     unit = x.numel() * x.element_size()
     forward = wan.bounded_block_forward(block, config(level, "sage", True))
-    runs = []
+    runs, written_into = [], []
     reuse = runtime.run_in_input
+    key_into = wan.SpanningNormRope.key_into
 
     def counted(*args, **kwargs):
         runs.append(1)
         return reuse(*args, **kwargs)
+
+    def recorded(self, *args):
+        written_into.append(key_into(self, *args))
+        return written_into[-1]
     monkeypatch.setattr(runtime, "run_in_input", counted)
+    monkeypatch.setattr(wan.SpanningNormRope, "key_into", recorded)
     with torch.no_grad():
         stock = memory.measure_peak(block, x, device=x.device, **inputs)
         reused = memory.measure_peak(forward, x, device=x.device, **inputs)
         runs_reused = len(runs)
         assert runs_reused, "the block's self-attention did not run in its input"
+        # its keys went into the input's rows by the norm's own pass (`norm_key_into`), bitwise what the norm
+        # in place and a copy give
+        assert written_into and all(written_into)
+        monkeypatch.setattr(wan.SpanningNormRope, "key_into", lambda self, *args: False)
+        copied = forward(x, **inputs)
+        assert torch.equal(copied, reused.result)
+        del copied
+        runs_reused = len(runs)
         monkeypatch.setattr(runtime, "reuse_reason", lambda *args: "switched off by the test")
         usual = memory.measure_peak(forward, x, device=x.device, **inputs)
     assert len(runs) == runs_reused
