@@ -115,3 +115,40 @@ def test_spanning_norm_per_head_group_equals_the_norm_over_all_heads(env, attent
     q_all, k_all = q.clone(), k.clone()
     attention.SpanningNormRope(ranges, H, D, freqs, rope=kind)(q_all, k_all, whole)
     assert torch.allclose(q_all, expected[0], atol=1e-5) and torch.allclose(k_all, expected[1], atol=1e-5)
+
+
+def test_a_chunk_of_tokens_takes_its_own_rows_of_the_rope_table(env, attention):
+    """A call that reuses its input normalizes token chunks of every head (`HeadGroup.tokens`): each chunk, the
+    first one too, is handed the table rows of its own tokens (a table of every token does not fit the fused
+    pass, which then fell back to the unfused one), and the chunks together equal the whole."""
+    torch = env.torch
+    g = torch.Generator().manual_seed(3)
+    norm = torch.nn.RMSNorm(H * D, eps=1e-6)
+    freqs = _matrices(torch, _angles(torch, per_head=False)).float()
+    k = torch.randn(B, N, H, D, generator=g)
+    whole = k.clone()
+    every = range(H)
+    HeadGroup = env.core.head_split.HeadGroup
+    attention.SpanningNormRope([(0, None, norm, norm)], H, D, freqs)(None, whole, HeadGroup(every, every))
+    norm_rope = attention.SpanningNormRope([(0, None, norm, norm)], H, D, freqs)
+    for a, b in ((0, 4), (4, N)):
+        group = HeadGroup(every, every, None, tokens=range(a, b))
+        first, table = norm_rope._tokens(1, k[:, a:b], group)
+        assert first == a and table.shape[1] == b - a and torch.equal(table, freqs[:, a:b])
+        chunk = k[:, a:b].clone()
+        norm_rope(None, chunk, group)
+        assert torch.allclose(chunk, whole[:, a:b], atol=1e-6), (a, b)
+    # the fused pass into another tensor (`norm_key_into`) runs on CUDA only: elsewhere it declines, untouched
+    dest = torch.zeros_like(k[:, :4])
+    group = HeadGroup(every, every, None, tokens=range(0, 4))
+    assert norm_rope.key_into(k[:, :4], dest, group) is False and not dest.any()
+
+
+def test_the_wan_cross_attention_chunks_are_larger_only_where_the_norm_runs_fused(env):
+    """Wan's bounded block chunks its cross-attention by |x| / 8 on CPU (there the chunk's norm holds a float32
+    scratch and the attention a score matrix: |x| / 4 measured 2.83 x |x| on CPU, over the 2.5 bound) and by
+    |x| / 4 on CUDA with Triton (H200: the same 2.20 x |x| peak, half the launches)."""
+    torch = env.torch
+    wan = importlib.import_module(env.pack.__name__ + ".nodes.wan")
+    assert wan.cross_chunk_fraction(torch.zeros(1, 4, 8)) == wan.CROSS_CHUNK_FRACTION == 8
+    assert wan.CUDA_CROSS_CHUNK_FRACTION == 4
