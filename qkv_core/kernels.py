@@ -199,7 +199,7 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
                freqs: Optional[torch.Tensor] = None, head_norm_eps: Optional[float] = None,
                span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None) -> bool:
     """In place on `t` `(B, N, h, D)`: `t = rope(round(t * inverse_rms * weight))` (each part optional); with
-    `into` (t's shape and dtype, channels contiguous, not overlapping t) the result goes there and t is not changed.
+    `into` (t's shape and dtype, channels contiguous, not overlapping t) the result goes there, t unchanged.
 
     `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
     every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, as Qwen-Image passes its
