@@ -362,6 +362,11 @@ class SpanningNormRope:
         # the chunk's own rows, the first chunk's too (a table of every token would not fit its fused pass)
         return tokens.start, freqs if freqs is None else freqs[:, tokens.start:tokens.start + t.shape[1]]
 
+    def _kernel_rotates(self, freqs) -> bool:
+        """Can the fused kernel apply this RoPE table (or none)? It rotates adjacent pairs by one float32
+        rotation per token, shared by all heads."""
+        return freqs is None or (self.rope == ROPE_PAIRS and freqs.shape[2] == 1)
+
     def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
         first, freqs = self._tokens(which, t, group)
         end = first + t.shape[1]
@@ -376,8 +381,7 @@ class SpanningNormRope:
 
         def span(u):   # the stream's tokens (the tensor itself for a single stream)
             return u if u is None or every else u[:, start:stop]
-        # the fused kernel rotates adjacent pairs by one float32 rotation per token (shared by all heads)
-        fused_rope = freqs is None or (self.rope == ROPE_PAIRS and freqs.shape[2] == 1)
+        fused_rope = self._kernel_rotates(freqs)
         kernel_freqs = span(freqs) if fused_rope else None
         normalize = None
         if not _is_norm(norm):
@@ -437,9 +441,7 @@ class SpanningNormRope:
         start, stop, _, norm = self.ranges[0]
         first, freqs = self._tokens(1, key, group)
         if start > first or (stop is not None and stop < first + key.shape[1]) or not _is_norm(norm) or \
-                getattr(norm, "eps", None) is None:
-            return False
-        if freqs is not None and (self.rope != ROPE_PAIRS or freqs.shape[2] != 1):
+                getattr(norm, "eps", None) is None or not self._kernel_rotates(freqs):
             return False
         weight = self._weight((0, 1), norm, key, group.kv)
         return kernels.norm_rope_(key, None, weight, freqs, span_eps=norm.eps, into=dest)
