@@ -120,6 +120,9 @@ def validate_call(o: AttentionOptions, streams: CallStreams) -> None:
     if o.fused_quant is not None and o.attention_fn is not None:
         raise ValueError("fused_quant needs the staged quantizers, which attention_fn turns off: pass one "
                          "of them")
+    if o.norm_key_into is not None and not callable(o.norm_key_into):
+        raise ValueError(f"norm_key_into is a callable (key, dest, group) -> bool that writes the normalized "
+                         f"keys into dest, not {type(o.norm_key_into).__name__}: pass one, or leave it out")
     validate_capture(o, streams.kv_tokens)
 
 

@@ -300,6 +300,8 @@ def test_option_combinations(layers):
                          attention_fn=lambda qkv, g: qkv[0])
     with pytest.raises(ValueError, match="a callable attention_mask needs a staged SageAttention core"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, attention_mask=lambda q, k, g: None)
+    with pytest.raises(ValueError, match=r"norm_key_into is a callable \(key, dest, group\) -> bool .* not bool"):
+        qc.qkv_attention([x16(1, 8)], *layers, 4, 32, norm_key_into=True)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['kv_head', 'mask'\]; the options are"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, kv_head=2, mask=None)
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['scale'\]"):

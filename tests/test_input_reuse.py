@@ -170,6 +170,35 @@ def test_k_is_projected_once_at_full_width_and_v_by_groups(core):
     assert core.log.count("attention") == 8
 
 
+@pytest.mark.parametrize("accepts", [True, False])
+def test_keys_go_into_the_input_by_the_norms_own_pass_where_it_offers_one(core, accepts):
+    """`norm_key_into(key, dest, group)`: the runtime hands each chunk's keys and the input's rows they belong in
+    to the caller's pass, which writes the normalized, rotated keys there (no copy follows); a pass that
+    declines (False, nothing written) gets the norm in place and a copy. Both equal the reference."""
+    q, k, v = make_qkv(FEAT, H, D, seed=11)
+    norm = SpanningNormRope(H, H, D)
+    x = randn(1, 1000, H * D, seed=12)
+    want = reference([(x, q)], [(x, k, v)], H, D, norm=norm)
+    given = x.clone()
+    offered = []
+
+    def key_into(key, dest, group):
+        offered.append((group.tokens, tuple(dest.shape), dest.data_ptr()))
+        if not accepts:
+            return False
+        done = key.clone()
+        norm(None, done, group)
+        dest.copy_(done)
+        return True
+    got = _call(given, (q, k, v), norm, reuse=True, norm_key_into=key_into)
+    assert max_rel_err(got, want) < 1e-5
+    # one offer per chunk of the full-width pass, each the input's own rows of that chunk, every token once
+    assert offered and sum(shape[1] for _, shape, _ in offered) == 1000
+    row_bytes = H * D * x.element_size()
+    assert all(ptr == got.data_ptr() + tokens.start * row_bytes and shape == (1, len(tokens), H, D)
+               for tokens, shape, ptr in offered)
+
+
 @pytest.mark.parametrize("case", ["view", "gqa", "mask", "unstaged", "not given up", "one group"])
 def test_where_it_does_not_apply_the_usual_path_runs_and_the_input_is_kept(core, case):
     kv_heads = 4 if case == "gqa" else H
