@@ -133,9 +133,9 @@ def _sage2_sm90_reason():
 def test_bounded_block_on_sage2_reuses_its_modulated_input(env, monkeypatch, level):
     """On SageAttention 2's sm90 core the bounded block hands its modulated input over for good
     (`reuse_input`): the self-attention keeps its keys and writes its result in that storage and projects k
-    once, the keys written there by the norm's pass. Against the usual staged split: the same output but for the keys' mean summed in another order,
-    a peak no higher, and stock's output within SageAttention's error. 8 heads of 64 (SageAttention's head
-    dims are 64 and 128)."""
+    once, the keys written there by the norm's pass. Against the usual staged split: the same output but for
+    the keys' mean summed in another order, a peak no higher, and stock's output within SageAttention's
+    error. 8 heads of 64 (SageAttention's head dims are 64 and 128)."""
     import qkv_core.runtime as runtime   # the adapter's runtime (the benchmark loader shares the module)
     build, wan, config, memory = env
     block, x, inputs = build(torch.bfloat16, heads=8)
