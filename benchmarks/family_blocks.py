@@ -1,7 +1,8 @@
 """Benchmark workload: one block of each family the pack adapts, ComfyUI's own block with random weights, stock
 against the pack's bounded forward (High, block bounds), peak memory and time in one process.
 
-    python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--json FILE]
+    python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--level high]
+                                                          [--split-floor N] [--json FILE]
 
 Loaded by `benchmarks/bench.py` inside the package it makes for the pack (see `load_pack_module`), so the
 adapters' relative imports resolve. Peaks are the working set above the live inputs and weights
@@ -13,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ..nodes import flux, hidream, qwen_image
 from ..nodes.dispatch import QKVConfig, family_config
+from ..qkv_core import parse_level
 from . import memory
 
 
@@ -179,11 +181,16 @@ def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def run_case(case: Case, device, dtype, backend: str, repeats: int) -> dict:
+def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int = 3,
+             split_floor: Optional[int] = None) -> dict:
+    """Stock against the pack at `level` with block bounds. `split_floor`: the fewest tokens of one item that
+    are split (None: the family's own floor, as the node applies it; 0 forces the split)."""
     block, inputs, main, factory = case.build(device, dtype)
     x_bytes = inputs[main].numel() * inputs[main].element_size()
     # the family's split floor, as the node applies it (Flux and Qwen-Image split from 12,288 tokens an item)
-    config = family_config(QKVConfig(level=3, backend=backend, block=True), sys.modules[factory.__module__])
+    config = family_config(QKVConfig(level=level, backend=backend, block=True), sys.modules[factory.__module__])
+    if split_floor is not None:
+        config = config._replace(split_floor=split_floor)
     ours = factory(block, config)
     row = {"case": case.name, "what": case.what, "x_GiB": x_bytes / 2**30}
     results = {}
@@ -216,8 +223,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None)
     parser.add_argument("--backend", default="auto", help="the node's attention_backend for the pack")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--level", default="high", help="the pack's head split level (default high)")
+    parser.add_argument("--split-floor", type=int, default=None,
+                        help="the fewest tokens of one item that are split (default: each family's floor, as "
+                             "the node applies it; 0 splits every case)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    level = parse_level(int(args.level) if args.level.strip().isdigit() else args.level)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = []
     print(f"{'case':26} {'stock x|x|':>10} {'pack x|x|':>10} {'stock ms':>9} {'pack ms':>9} {'time':>6} {'diff':>8} "
@@ -225,7 +237,7 @@ def main(argv=None) -> int:
     for name in args.cases.split(","):
         if name not in CASES:
             raise SystemExit(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
-        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats)
+        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor)
         rows.append(row)
         print(f"{name:26} {row['stock_peak_x']:10.2f} {row['pack_peak_x']:10.2f} {row['stock_ms']:9.1f} "
               f"{row['pack_ms']:9.1f} {row['time_ratio']:6.2f} {row['max_rel_diff']:8.2e} {row['moved_tokens']:7.2%}",
@@ -233,7 +245,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else None, "backend": args.backend, "rows": rows}, f, indent=1)
+                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor,
+                       "rows": rows}, f, indent=1)
     return 0
 
 

@@ -169,11 +169,24 @@ class FlashBackend(AttentionBackend):
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale)
 
 
-def _sage_version() -> Optional[str]:
+def sage_major_version(module) -> int:
+    """The major version of the imported SageAttention `module` (2, 1, or 0 when unknown), read from what it
+    offers: SageAttention 2 has `sageattn_qk_int8_pv_fp16_triton`, 1.x has `sageattn` without it. The
+    installed metadata counts only where the module does not tell: a build used from its source folder (`setup.py
+    build_ext --inplace`, a folder on PYTHONPATH or copied into ComfyUI portable's site-packages) has none, and
+    an older install's metadata can sit beside the module that imports first."""
+    if callable(getattr(module, "sageattn_qk_int8_pv_fp16_triton", None)):
+        return 2
     try:
-        return importlib.metadata.version("sageattention")
+        version = importlib.metadata.version("sageattention")
     except importlib.metadata.PackageNotFoundError:
-        return None
+        version = None
+    if version is not None:
+        try:
+            return int(version.split(".")[0])
+        except ValueError:
+            pass
+    return 1 if callable(getattr(module, "sageattn", None)) else 0
 
 
 # `auto` runs SageAttention 2's staged core on calls of at least this many tokens (q or kv, per batch item): on an
@@ -217,12 +230,10 @@ class SageBackend(AttentionBackend):
         return _import_problem("sageattention")
 
     def major_version(self) -> int:
+        """SageAttention's major version (`sage_major_version`), 0 when it does not import."""
         if self._major is None:
-            version = _sage_version() or "0"
-            try:
-                self._major = int(version.split(".")[0])
-            except ValueError:
-                self._major = 0
+            self._major = 0 if self.unavailable_reason() is not None else \
+                sage_major_version(importlib.import_module("sageattention"))
         return self._major
 
     def cannot_take(self, q, k, v, mask, softmax_scale):

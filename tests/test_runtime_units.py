@@ -238,3 +238,33 @@ def test_tally_counts_backends_and_groups_for_the_run_report():
     counts = qc.drain_tally()
     assert counts.splits == {8: 1, 1: 1} and counts.kernels == {"sdpa": 9} and counts.largest_call == 96
     assert qc.drain_tally().empty
+
+
+def test_sageattention_version_is_read_from_the_module_that_imports(monkeypatch):
+    """SageAttention 2 used from its source folder (an in-place build on PYTHONPATH: no installed metadata) or
+    shadowing an older install's metadata is still SageAttention 2, so its staged core runs (before, such a
+    build fell back to `sageattn` per head group: on an H200 a Wan block at Low held 3.63 x|x| instead of 2.20);
+    1.x and unknown modules as their metadata, or their API, say."""
+    import importlib.metadata
+    from types import SimpleNamespace
+    from qkv_core import backends
+
+    def metadata(version):
+        def read(name):
+            assert name == "sageattention"
+            if version is None:
+                raise importlib.metadata.PackageNotFoundError(name)
+            return version
+        return read
+
+    v2 = SimpleNamespace(sageattn=lambda *a, **k: None, sageattn_qk_int8_pv_fp16_triton=lambda *a, **k: None)
+    v1 = SimpleNamespace(sageattn=lambda *a, **k: None)
+    for version, module, major in ((None, v2, 2), ("1.0.6", v2, 2), ("2.2.0", v2, 2), (None, v1, 1),
+                                   ("1.0.6", v1, 1), ("2.2.0", v1, 2), (None, SimpleNamespace(), 0),
+                                   ("garbled", v1, 1)):
+        monkeypatch.setattr(backends.importlib.metadata, "version", metadata(version))
+        assert backends.sage_major_version(module) == major, (version, module)
+
+    sage = backends.SageBackend()   # a module that does not import has no version
+    monkeypatch.setattr(sage, "unavailable_reason", lambda: "sageattention is not importable (ImportError)")
+    assert sage.major_version() == 0 and sage.staged_core is None
