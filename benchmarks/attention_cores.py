@@ -103,8 +103,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.attention_cores needs CUDA and SageAttention")
-    import importlib.metadata
-    version = importlib.metadata.version("sageattention")
+    import sageattention
+    version = f"{qc.backends.sage_major_version(sageattention)}.x"   # as the pack reads it (a source build too)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, sageattention {version}; "
           f"(1, {args.tokens}, {args.heads}, {args.dim}) bf16, median of {args.repeats}")
     rows, same = one_call(args.tokens, args.heads, args.dim, args.repeats)
