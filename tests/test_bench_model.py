@@ -1,6 +1,7 @@
 """The whole-model benchmark (`benchmarks/wan_model.py`) and the block benchmark's GGUF weights, on CPU: the
-frame search's logic, Q8_0 blocks as the `gguf` package writes them, and one tiny sampling run through
-ComfyUI's model management, stock and patched. The numbers it exists for need CUDA (docs/benchmarks.md)."""
+frame search's logic, Q8_0 blocks as the `gguf` package writes them, one tiny sampling run through
+ComfyUI's model management, stock and patched, and the families benchmark's forced split. The numbers they
+exist for need CUDA (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import importlib
@@ -93,3 +94,18 @@ def test_the_whole_model_benchmark_runs_every_family_tiny(capsys):
                  "kandinsky5-lite-768x512x61", "hidream-i1-1024"):
         row = next(line for line in out.splitlines() if line.startswith(f"| {case} |"))
         assert float(row.rstrip(" |").split("|")[-1]) < 2e-2, row   # rel diff, bf16
+
+
+def test_the_families_benchmark_forces_the_split_where_asked():
+    """`--families --split-floor 0` splits a block that the family's own floor keeps whole (a tiny Qwen-Image
+    block: 1,040 tokens), which lowers the pack's peak; either way the pack's output is stock's (float32 on CPU)."""
+    import torch
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
+    case = blocks.Case("qwen-tiny", "a tiny Qwen-Image block", blocks.qwen_image_case(32, 16, width=512, heads=4))
+    cpu = torch.device("cpu")
+    whole = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3)
+    split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor=0)
+    assert whole["max_rel_diff"] < 1e-5 and split["max_rel_diff"] < 1e-5
+    assert split["pack_peak_x"] < whole["pack_peak_x"] < whole["stock_peak_x"]
