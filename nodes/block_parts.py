@@ -99,7 +99,11 @@ class ChunkedMLP:
             return self._hidden_per_token
         return self.hidden_width * (2 if self.gated_layers is not None else 1)
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, handed_off: list) -> torch.Tensor:
+        """The MLP of the chunk `handed_off[0]` `(B, n, C)`, a new tensor. The list is cleared: the chunk's input
+        is freed once the first layer has read it (an argument passed as such stays referenced by the caller's
+        frame until the call returns, beside the hidden activation)."""
+        t = handed_off.pop()
         if self.gated_layers is not None:
             gate, up, down = self.gated_layers
             gate_out = gate(t)
@@ -161,7 +165,7 @@ def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], t
     step = even_chunk_tokens(tokens, batch * chunked.hidden_per_token, max(1, residual.numel() * scale // fraction))
     try:
         for a, b in token_ranges(tokens, step):
-            out = chunked(mlp_input(a, b))
+            out = chunked([mlp_input(a, b)])
             add_(residual[:, a:b], out, a, b)
             del out
     finally:

@@ -254,10 +254,31 @@ def unknown_args(names, args, kwargs) -> str:
     return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
 
 
+def _has_weight(module) -> bool:
+    """`hasattr(module, "weight")` without its cost on a module that has none (an AttributeError raised and
+    caught in `Module.__getattr__`)."""
+    return "weight" in module._parameters or "weight" in module._buffers or "weight" in module.__dict__ or \
+        "weight" in module._modules or hasattr(type(module), "weight")
+
+
 def layers_signature(module) -> tuple:
-    """Layer classes and weight dtypes under `module`: a different weight format is checked on its own."""
-    return tuple((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None)))
-                 for name, child in module.named_modules() if hasattr(child, "weight"))
+    """Layer classes and weight dtypes under `module` (each module once, in `named_modules()`'s order): a
+    different weight format is checked on its own. Part of every guarded call's signature, so it walks the
+    modules' own dicts: `named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of
+    host time."""
+    out, seen, stack = [], set(), [("", module)]
+    while stack:
+        name, child = stack.pop()
+        if id(child) in seen:
+            continue
+        seen.add(id(child))
+        if _has_weight(child):
+            out.append((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None))))
+        below = child._modules
+        if below:
+            prefix = name + "." if name else ""
+            stack.extend((prefix + key, sub) for key, sub in reversed(below.items()) if sub is not None)
+    return tuple(out)
 
 
 def hooks_set(transformer_options) -> frozenset:

@@ -19,6 +19,7 @@ v0.8.0's attention ignores it, so there a masked call fails its self-check and r
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -42,6 +43,13 @@ MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.8,
 # image and a 1 MP reference (8,537 tokens) took 1.24x stock's time split on an H200 (one item; 1.00x with cond +
 # uncond), 0.85x whole; from 12,100 image tokens on the split is 0.84-0.99x.
 SPLIT_FLOOR_SCALE = 1.5
+# Split, the block's output projections and MLPs take token chunks twice block_parts' default (a quarter of the
+# tokens): they then hold the outputs, the attention and a chunk's product (2.07 + 0.25 x|x|), or the outputs and
+# a chunk's input, hidden activation and product (1.04 + 5 x 0.25), at or under the split attention's own peak at
+# the 4-12 groups of Qwen-Image's 24 heads (the modulated inputs, the output buffer and a group's k, v and result:
+# 2.07 + 3 x 1.04 / groups, 2.46 at 8, 2.33 at 12), for half the launches: at 1328^2 the split block is bound
+# by the host's launches. (16 groups, a model of 16 heads: 2.29 x|x| where the attention alone holds 2.26.)
+SPLIT_CHUNK_SCALE = 2
 WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 
 FORM = AttentionForm(streams=(
@@ -102,7 +110,17 @@ def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
     if type(gelu) is not qwen_model.GELU or approximate not in ("none", "tanh") or \
             _no_dropout(net, "1") is not None or getattr(down, "weight", None) is None:
         return None
-    return torch.nn.Sequential(gelu.proj, torch.nn.GELU(approximate=approximate), down)
+    cached = _FEED_FORWARDS.get(mlp)
+    if cached is not None and cached[0] is gelu.proj and cached[2] is down and cached[1].approximate == approximate:
+        return cached
+    layers = torch.nn.Sequential(gelu.proj, torch.nn.GELU(approximate=approximate), down)
+    _FEED_FORWARDS[mlp] = layers
+    return layers
+
+
+# a FeedForward's Sequential, made once (building modules at every block call cost host time): kept while the
+# FeedForward lives, remade when its layers change
+_FEED_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def probe_block(block) -> Optional[str]:
@@ -270,7 +288,8 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     txt_mod1, txt_mod2 = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0]).chunk(2, dim=-1)
     text_tokens = txt.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
-    scale = chunk_scale(attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1]))
+    split = attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1])
+    scale = SPLIT_CHUNK_SCALE if split else chunk_scale(False)
     handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale)],
                   [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected
