@@ -2,7 +2,8 @@
 `F.layer_norm` (`block_parts.modulated_layer_norm`, used by the Wan and Qwen-Image blocks), and the GELU of a
 product (`comfy_ops.CastLinear.gelu`: on CUDA in the product's epilogue, tested in tests/test_wan_gpu.py; here
 the two steps it falls back to). Each against the two steps it replaces, each case where it must not apply, and
-the bounded Wan block of one batch item (where the fused norms run) against ComfyUI's own."""
+the bounded Wan block of one batch item (where the fused norms run) against ComfyUI's own; the bounded MLP's
+chunk inputs freed before its hidden activations are made."""
 from __future__ import annotations
 
 import importlib
@@ -103,6 +104,44 @@ def test_cast_linear_gelu_off_cuda_is_the_product_then_the_gelu(env, approximate
         out = cast.gelu(x, approximate)
         expected = torch.nn.functional.gelu(linear(x), approximate=approximate)
     assert torch.equal(out, expected)
+
+
+def test_mlp_frees_each_chunks_input_before_its_hidden_activation(env):
+    """`mlp_residual_` hands each chunk's input to the MLP in a list it clears: once the first layers have read
+    it, nothing holds it (passed as an argument, the caller's frame kept it beside the hidden activation, 1 x
+    the chunk more at the block's peak). Checked where the gated MLP combines its two hidden activations, and the
+    residual update still equals the MLP's."""
+    import comfy.ops
+    import weakref
+    torch, parts = env.torch, env.parts
+    ops = comfy.ops.disable_weight_init
+    mlp = torch.nn.Module()
+    mlp.w1, mlp.w3, mlp.w2 = ops.Linear(WIDTH, 2 * WIDTH), ops.Linear(WIDTH, 2 * WIDTH), ops.Linear(2 * WIDTH, WIDTH)
+    for layer in (mlp.w1, mlp.w3, mlp.w2):
+        comfy_env.fill_random_(layer)
+    residual = torch.randn(1, 600, WIDTH, generator=torch.Generator().manual_seed(3))
+    expected = residual.clone()
+    inputs, alive_at_combine = [], []
+
+    def chunk_input(a, b):
+        t = residual[:, a:b] * 0.5   # a fresh tensor, the chunk's own
+        inputs.append(weakref.ref(t))
+        return t
+
+    def combine_(gate_out, up_out):
+        alive_at_combine.append(inputs[-1]() is not None)
+        return parts.silu_gate_(gate_out, up_out)
+
+    def add_(part, out, a, b):
+        part.add_(out)
+
+    gated = parts.GatedMLP(gate="w1", up="w3", down="w2", combine_=combine_)
+    with torch.no_grad():
+        parts.mlp_residual_(residual, mlp, chunk_input, add_, fraction=8, gated=gated)
+        half = expected * 0.5
+        expected += mlp.w2(torch.nn.functional.silu(mlp.w1(half)) * mlp.w3(half))
+    assert len(alive_at_combine) > 1 and not any(alive_at_combine)
+    assert torch.allclose(residual, expected, rtol=1e-5, atol=1e-5)
 
 
 def _fused_layer_norm(width):

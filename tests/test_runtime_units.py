@@ -268,3 +268,32 @@ def test_sageattention_version_is_read_from_the_module_that_imports(monkeypatch)
     sage = backends.SageBackend()   # a module that does not import has no version
     monkeypatch.setattr(sage, "unavailable_reason", lambda: "sageattention is not importable (ImportError)")
     assert sage.major_version() == 0 and sage.staged_core is None
+
+
+@pytest.mark.parametrize("prompt_tokens, whole", [(256, False), (60, True)])
+def test_a_short_key_value_stream_is_projected_whole_only_under_a_64th_of_the_keys(prompt_tokens, whole):
+    """Split, a key/value stream of at most 1/64 of the call's keys beside a long one projects its k and v whole
+    once (each group copies its columns); a longer one (Qwen-Image 1328²'s prompt: 256 of 7,145 keys) projects
+    each group's own columns, so its whole k and v are not held through the groups. Either way each group's keys
+    and values are the layers' outputs, joined in stream order."""
+    from qkv_core.projections import WholeThenSlice
+    image_tokens = 4096 - prompt_tokens
+    text, image = make_qkv(W, H, D, seed=3), make_qkv(W, H, D, seed=4)
+    x_text, x_image = randn(1, prompt_tokens, W, seed=5), randn(1, image_tokens, W, seed=6)
+    streams = [TokenStream(x_text, q=text[0], k=text[1], v=text[2]),
+               TokenStream(x_image, q=image[0], k=image[1], v=image[2])]
+    call = CallStreams(streams, streams, H, H, D)
+    call.prepare(groups=4)
+    try:
+        assert isinstance(streams[0].prepared["k"], WholeThenSlice) is whole
+        assert isinstance(streams[0].prepared["v"], WholeThenSlice) is whole
+        assert not isinstance(streams[1].prepared["k"], WholeThenSlice)
+        group = HeadGroup(range(1, 2), range(1, 2))
+        k = call.project_k(group, last=False, v_later=True)
+        _, v = call.project_v(group, last=False, k_later=False)
+        with torch.no_grad():
+            for got, layers in ((k, (text[1], image[1])), (v, (text[2], image[2]))):
+                expected = torch.cat((layers[0](x_text), layers[1](x_image)), 1)[..., D:2 * D]
+                assert torch.allclose(got.flatten(2), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        call.release()

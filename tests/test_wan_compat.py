@@ -136,6 +136,30 @@ def test_the_check_is_cached_and_cheap(env):
     assert env.compat._verdicts == verdicts
 
 
+def test_the_layer_signature_tells_formats_and_layers_apart(env):
+    """The guards' per-call layer signature (part of every verdict's key): each module once, in
+    `named_modules()`' order, its class and weight dtype; a changed weight format or a replaced layer gives
+    another signature (a new check), the same model the same one."""
+    import torch
+    model = comfy_env.make_wan("t2v", **MODEL).model.diffusion_model
+    block = model.blocks[0]
+
+    def by_named_modules(module):
+        return tuple((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None)))
+                     for name, child in module.named_modules() if hasattr(child, "weight"))
+
+    shared = torch.nn.Sequential(block.self_attn.q, torch.nn.ReLU(), block.self_attn.q)   # one layer twice
+    for module in (block, model, shared):
+        assert env.compat.layers_signature(module) == by_named_modules(module)
+    before = env.compat.layers_signature(block)
+    assert env.compat.layers_signature(block) == before
+    block.self_attn.k.weight.data = block.self_attn.k.weight.data.to(torch.float16)
+    changed_format = env.compat.layers_signature(block)
+    assert changed_format != before
+    block.self_attn.k = torch.nn.Linear(4, 4)
+    assert env.compat.layers_signature(block) not in (before, changed_format)
+
+
 # --- other nodes' hooks -----------------------------------------------------------------------------------
 def _hooks(torch, calls):
     def attn1(args):
