@@ -206,6 +206,7 @@ class PerHeadNormRope:
             raise ValueError(f"a per-head norm takes pair RoPE (or split-half) here, not {rope!r}")
         self.ranges, self.freqs, self.rope = list(ranges), freqs, rope
         self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
+        self._plans: dict = {}     # (which, device, dtype, head size) -> the fused passes' arguments (`_plan`)
 
     def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
         """One Triton pass (CUDA): the norm over each head's channels and the RoPE, for torch RMSNorms."""
@@ -231,16 +232,34 @@ class PerHeadNormRope:
     def _launches(self, t: torch.Tensor, which: int) -> Optional[list]:
         """The fused passes over every stream of `t` (`which`: 0 queries, 1 keys), or None where one stream's
         cannot run. Two adjacent streams whose norms differ only by their weights (Flux's and Qwen-Image's
-        text and image streams) take one pass, each token its stream's weight: one launch less."""
-        spans = [(start, stop, norms[which]) for start, stop, *norms in self.ranges
-                 if not (norms[which] is None and self.freqs is None)]
-        if len(spans) == 2 and spans[0][1] == spans[1][0]:
-            joined = self._fused_launch(t, spans[0][0], spans[1][1], spans[0][2], second=spans[1][2],
-                                        split=spans[0][1])
-            if joined is not None:
-                return [joined]
-        launches = [self._fused_launch(t, start, stop, norm) for start, stop, norm in spans]
+        text and image streams) take one pass, each token its stream's weight: one launch less. The passes'
+        arguments are worked out once a call (`_plan`): each head group's keys only take their launches."""
+        joined, separate = self._plan(t, which)
+        if joined is not None:
+            start, stop, args, kwargs = joined
+            launch = kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
+            if launch is not None:
+                return [launch]
+        if separate is None:
+            return None
+        launches = [kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
+                    for start, stop, args, kwargs in separate]
         return None if None in launches else launches
+
+    def _plan(self, t: torch.Tensor, which: int) -> tuple:
+        """`(joined, separate)`: the arguments of one pass over two adjacent streams (or None), and of one pass
+        per stream (or None where one cannot run), for tensors of `t`'s device, dtype and head size."""
+        key = (which, t.device, t.dtype, t.shape[-1])
+        if key not in self._plans:
+            spans = [(start, stop, norms[which]) for start, stop, *norms in self.ranges
+                     if not (norms[which] is None and self.freqs is None)]
+            joined = None
+            if len(spans) == 2 and spans[0][1] == spans[1][0]:
+                joined = self._launch_args(t, spans[0][0], spans[1][1], spans[0][2], second=spans[1][2],
+                                           split=spans[0][1])
+            separate = [self._launch_args(t, start, stop, norm) for start, stop, norm in spans]
+            self._plans[key] = (joined, None if None in separate else separate)
+        return self._plans[key]
 
     def _weight_eps(self, norm, t: torch.Tensor) -> tuple:
         """A torch RMSNorm's weight cast for `t` (once a call) and its epsilon."""
@@ -254,6 +273,15 @@ class PerHeadNormRope:
         """The kernel launch (`kernels.norm_rope_launch`) for the tokens [start, stop) of `t` and their norm, or
         None. `second` (a norm, or None): the tokens from `split` on are another stream's, with that norm; one
         launch only where the two norms differ by their weights alone (else None: one launch each)."""
+        planned = self._launch_args(t, start, stop, norm, second, split)
+        if planned is None:
+            return None
+        _, _, args, kwargs = planned
+        return kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
+
+    def _launch_args(self, t: torch.Tensor, start: int, stop: int, norm, second=False, split: int = 0):
+        """`(start, stop, args, kwargs)` of `_fused_launch`'s kernel launch (after the tokens of `t`), or None
+        where the kernel cannot take these norms or this RoPE on `t`'s device."""
         if self.rope != ROPE_PAIRS and self.freqs is not None:   # the kernel rotates adjacent pairs only
             return None
         if not kernels.can_run(t) or any(n is not None and not (
@@ -269,12 +297,12 @@ class PerHeadNormRope:
                 if eps != eps2 or (weight is None) != (weight2 is None):
                     return None
                 if weight is not None:
-                    return kernels.norm_rope_launch(t[:, start:stop], None, weight, freqs, head_norm_eps=eps,
-                                                    weight2=weight2, split=split - start)
-                return kernels.norm_rope_launch(t[:, start:stop], None, None, freqs, head_norm_eps=eps)
-            return kernels.norm_rope_launch(t[:, start:stop], None, None, freqs)   # RoPE alone, both streams
+                    return start, stop, (None, weight, freqs), dict(head_norm_eps=eps, weight2=weight2,
+                                                                    split=split - start)
+                return start, stop, (None, None, freqs), dict(head_norm_eps=eps)
+            return start, stop, (None, None, freqs), {}   # RoPE alone, both streams
         weight, eps = (None, None) if norm is None else self._weight_eps(norm, t)
-        return kernels.norm_rope_launch(t[:, start:stop], None, weight, freqs, head_norm_eps=eps)
+        return start, stop, (None, weight, freqs), dict(head_norm_eps=eps)
 
     def _apply_(self, t: torch.Tensor, which: int) -> None:
         launches = self._launches(t, which)

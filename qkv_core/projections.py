@@ -66,6 +66,7 @@ class WeightRows(PreparedProjection):
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  on_release: Optional[Callable[[], None]] = None):
         self.x, self.weight, self.bias, self._on_release = x, weight, bias, on_release
+        self._items = None   # x as (batch, tokens, in), made at the first `rows_into`
 
     by_tokens = True
 
@@ -78,8 +79,11 @@ class WeightRows(PreparedProjection):
         `(batch, tokens, in)` or `(tokens, in)`; `out`'s rows of each batch item are contiguous (its items may be
         apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
         it."""
-        x = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
-        x = x[:, token_start:token_start + out.shape[1]]
+        if self._items is None:
+            self._items = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
+        x = self._items
+        if token_start != 0 or out.shape[1] != x.shape[1]:   # every token (a head group's rows): x as it is
+            x = x[:, token_start:token_start + out.shape[1]]
         weight_t = self.weight[start:stop].t()
         bias = None if self.bias is None else self.bias[start:stop]
         if out.shape[0] == 1:   # F.linear's own addmm
@@ -102,7 +106,7 @@ class WeightRows(PreparedProjection):
         return F.linear(self.x, self.weight, self.bias)
 
     def release(self) -> None:
-        self.x = self.weight = self.bias = None
+        self.x = self.weight = self.bias = self._items = None
         if self._on_release is not None:
             on_release, self._on_release = self._on_release, None
             on_release()
