@@ -280,8 +280,8 @@ class PerHeadNormRope:
         return kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
 
     def _launch_args(self, t: torch.Tensor, start: int, stop: int, norm, second=False, split: int = 0):
-        """`(start, stop, args, kwargs)` of `_fused_launch`'s kernel launch (after the tokens of `t`), or None
-        where the kernel cannot take these norms or this RoPE on `t`'s device."""
+        """`(start, stop, args, kwargs)`: `_fused_launch`'s kernel launch is `kernels.norm_rope_launch(t[:,
+        start:stop], *args, **kwargs)`; None where the kernel cannot take these norms or this RoPE on `t`'s device."""
         if self.rope != ROPE_PAIRS and self.freqs is not None:   # the kernel rotates adjacent pairs only
             return None
         if not kernels.can_run(t) or any(n is not None and not (

@@ -46,9 +46,10 @@ SPLIT_FLOOR_SCALE = 1.5
 # Split, the block's output projections and MLPs take token chunks twice block_parts' default (a quarter of the
 # tokens): they then hold the outputs, the attention and a chunk's product (2.07 + 0.25 x|x|), or the outputs and
 # a chunk's input, hidden activation and product (1.04 + 5 x 0.25), at or under the split attention's own peak at
-# the 4-12 groups of Qwen-Image's 24 heads (the modulated inputs, the output buffer and a group's k, v and result:
-# 2.07 + 3 x 1.04 / groups, 2.46 at 8, 2.33 at 12), for half the launches: at 1328^2 the split block is bound
-# by the host's launches. (16 groups, a model of 16 heads: 2.29 x|x| where the attention alone holds 2.26.)
+# the 4-12 groups of Qwen-Image's 24 heads (the modulated inputs, the output buffer and a group's k, v and
+# result, 2.07 + 3 x 1.04 / groups: 2.47 x|x| at 8 groups and 2.34 at 12 on an H200), for half the launches: at
+# 1328^2 the split block is bound by the host's launches. (16 groups, a model of 16 heads: 2.29 x|x| where the
+# attention alone holds 2.26.)
 SPLIT_CHUNK_SCALE = 2
 WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 

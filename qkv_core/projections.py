@@ -82,7 +82,7 @@ class WeightRows(PreparedProjection):
         if self._items is None:
             self._items = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
         x = self._items
-        if token_start != 0 or out.shape[1] != x.shape[1]:   # every token (a head group's rows): x as it is
+        if token_start != 0 or out.shape[1] != x.shape[1]:   # some tokens (a head group's rows of all: x as it is)
             x = x[:, token_start:token_start + out.shape[1]]
         weight_t = self.weight[start:stop].t()
         bias = None if self.bias is None else self.bias[start:stop]

@@ -21,8 +21,8 @@ from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 
 # A key/value stream this short next to the call's key tokens projects its k and v whole, once (see
 # `CallStreams.prepare`): held through the groups, they cost at most ~3 % of the joined stream's size. 1/16 let
-# Qwen-Image 1328^2's prompt in (256 of 7,145 tokens: 0.07 x|x|, the difference between 2.51 and 2.44 x|x| at 8
-# groups); HunyuanVideo's (256 of ~76,000) still is.
+# Qwen-Image 1328^2's prompt in (256 of 7,145 tokens: 2.51 x|x| at 8 groups on an H200, 2.47 without); HunyuanVideo's
+# (256 of ~76,000) still is.
 SHORT_STREAM_SHARE = 1 / 64
 
 
