@@ -2,7 +2,7 @@
 against the pack's bounded forward (High, block bounds), peak memory and time in one process.
 
     python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--level high]
-                                                          [--split-floor N] [--json FILE]
+                                                          [--split-floor N] [--chain N] [--json FILE]
 
 Loaded by `benchmarks/bench.py` inside the package it makes for the pack (see `load_pack_module`), so the
 adapters' relative imports resolve. Peaks are the working set above the live inputs and weights
@@ -177,14 +177,23 @@ def _fresh(inputs: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
 
 
+def _run_all(fn, calls: list) -> None:
+    """`fn(**inputs)` for each of `calls` in turn (the list is emptied: each call's inputs and result are
+    dropped before the next)."""
+    while calls:
+        fn(**calls.pop(0))
+
+
 def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
 def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int = 3,
-             split_floor: Optional[int] = None) -> dict:
+             split_floor: Optional[int] = None, chain: int = 1) -> dict:
     """Stock against the pack at `level` with block bounds. `split_floor`: the fewest tokens of one item that
-    are split (None: the family's own floor, as the node applies it; 0 forces the split)."""
+    are split (None: the family's own floor, as the node applies it; 0 forces the split). `chain`: each timed
+    run makes that many calls back to back, as a model runs its blocks (the host's launches for one call then
+    overlap the GPU's work of the one before), and the time is per call; 1: one call and its end."""
     block, inputs, main, factory = case.build(device, dtype)
     x_bytes = inputs[main].numel() * inputs[main].element_size()
     # the family's split floor, as the node applies it (Flux and Qwen-Image split from 12,288 tokens an item)
@@ -199,10 +208,11 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int =
         for label, fn in (("stock", block), ("pack", ours)):
             peak = memory.measure_peak(fn, **_fresh(inputs), device=device, live=[block, list(inputs.values())])
             results[label] = _first(peak.result).float()
-            timing = memory.time_call(lambda d, fn=fn: fn(**d), setup=lambda: (_fresh(inputs),), warmup=1,
+            timing = memory.time_call(lambda calls, fn=fn: _run_all(fn, calls),
+                                      setup=lambda: ([_fresh(inputs) for _ in range(chain)],), warmup=1,
                                       repeats=repeats, device=device)
             row[f"{label}_peak_x"] = peak.peak_bytes / x_bytes
-            row[f"{label}_ms"] = timing.median_s * 1000
+            row[f"{label}_ms"] = timing.median_s * 1000 / chain
             del peak
     row["time_ratio"] = row["pack_ms"] / row["stock_ms"]
     row["max_rel_diff"] = float((results["pack"] - results["stock"]).abs().max() / results["stock"].abs().max())
@@ -227,6 +237,9 @@ def main(argv=None) -> int:
     parser.add_argument("--split-floor", type=int, default=None,
                         help="the fewest tokens of one item that are split (default: each family's floor, as "
                              "the node applies it; 0 splits every case)")
+    parser.add_argument("--chain", type=int, default=1,
+                        help="calls back to back in each timed run, as a model runs its blocks (default 1: "
+                             "each call timed to its end on its own); the time is per call")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
     level = parse_level(int(args.level) if args.level.strip().isdigit() else args.level)
@@ -237,7 +250,8 @@ def main(argv=None) -> int:
     for name in args.cases.split(","):
         if name not in CASES:
             raise SystemExit(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
-        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor)
+        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor,
+                       max(1, args.chain))
         rows.append(row)
         print(f"{name:26} {row['stock_peak_x']:10.2f} {row['pack_peak_x']:10.2f} {row['stock_ms']:9.1f} "
               f"{row['pack_ms']:9.1f} {row['time_ratio']:6.2f} {row['max_rel_diff']:8.2e} {row['moved_tokens']:7.2%}",
@@ -245,7 +259,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor,
+                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor, "chain": args.chain,
                        "rows": rows}, f, indent=1)
     return 0
 

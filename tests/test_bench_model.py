@@ -109,3 +109,32 @@ def test_the_families_benchmark_forces_the_split_where_asked():
     split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor=0)
     assert whole["max_rel_diff"] < 1e-5 and split["max_rel_diff"] < 1e-5
     assert split["pack_peak_x"] < whole["pack_peak_x"] < whole["stock_peak_x"]
+
+
+def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
+    """`--families --chain N` times N calls back to back in each run (as a model runs its blocks) and reports
+    the time per call; the peaks and the outputs are those of one call. Through the command line, on a tiny
+    Qwen-Image block registered as a case."""
+    import json
+    import torch
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
+    case = blocks.Case("qwen-tiny", "a tiny Qwen-Image block", blocks.qwen_image_case(32, 16, width=512, heads=4))
+    blocks.CASES["qwen-tiny"] = case
+    calls = []
+    original = blocks._run_all
+    blocks._run_all = lambda fn, inputs: (calls.append(len(inputs)), original(fn, inputs))
+    try:
+        out = tmp_path / "rows.json"
+        assert blocks.main(["--cases", "qwen-tiny", "--device", "cpu", "--repeats", "2", "--chain", "3",
+                            "--split-floor", "0", "--json", str(out)]) == 0
+    finally:
+        blocks._run_all = original
+        blocks.CASES.pop("qwen-tiny")
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert report["chain"] == 3
+    assert calls == [3] * 6   # stock and pack: one warm-up and two timed runs of three calls each
+    assert row["pack_peak_x"] < row["stock_peak_x"] and row["max_rel_diff"] < 2e-2   # bf16
+    assert row["stock_ms"] > 0 and row["pack_ms"] > 0
