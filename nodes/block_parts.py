@@ -22,10 +22,12 @@ FFN_CHUNK_FRACTION = 2
 UNSPLIT_CHUNK_SCALE = 4
 
 
-def chunk_scale(split: bool) -> int:
-    """The factor on the block's default chunk budgets: 1 when its attention is split into head groups,
-    `UNSPLIT_CHUNK_SCALE` when it is not (`dispatch.attention_splits`)."""
-    return 1 if split else UNSPLIT_CHUNK_SCALE
+def chunk_scale(split: bool, split_scale: int = 1) -> int:
+    """The factor on the block's default chunk budgets: `split_scale` (default 1) when its attention is split
+    into head groups, `UNSPLIT_CHUNK_SCALE` when it is not (`dispatch.attention_splits`). A family passes a
+    larger `split_scale` where its split attention's own peak leaves room for larger chunks (Qwen-Image:
+    `SPLIT_CHUNK_SCALE`)."""
+    return split_scale if split else UNSPLIT_CHUNK_SCALE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -289,8 +289,8 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     txt_mod1, txt_mod2 = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0]).chunk(2, dim=-1)
     text_tokens = txt.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
-    split = attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1])
-    scale = SPLIT_CHUNK_SCALE if split else chunk_scale(False)
+    scale = chunk_scale(attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1]),
+                        SPLIT_CHUNK_SCALE)
     handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale)],
                   [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected
