@@ -21,11 +21,15 @@ import torch
 
 from .backends import AttentionBackend, SDPABackend, StagedCore, held_sdpa_order, pay_attention
 from .head_split import HeadGroup
+from .inplace_attention import attend_over_queries_
 from .options import AttentionOptions
 from .capture import KVCapture
 from .prefix import KVPrefix
 from .prefix_join import join_prefix, prefix_tokens
 from .streams import CallStreams
+from .tally import count_attention
+
+OVER_QUERIES_LABEL = "sdpa (Triton, over the queries)"
 
 
 def group_mask(attention_mask: Any, heads: int, group: HeadGroup) -> Any:
@@ -49,8 +53,10 @@ class GroupLoop:
 
     def __init__(self, streams: CallStreams, o: AttentionOptions, norm_rope: Optional[Callable],
                  backend: Optional[AttentionBackend], kept_keys: dict[int, torch.Tensor],
-                 capture: Optional[KVCapture] = None):
+                 capture: Optional[KVCapture] = None, over_queries: bool = False):
         self.streams, self.o, self.norm_rope, self.backend, self.kept_keys = streams, o, norm_rope, backend, kept_keys
+        # each group's attention written over its q in the output buffer (`inplace_attention`), where it takes them
+        self.over_queries = over_queries
         self.capture = capture   # `capture_kv`: each group's normalized keys and values of the range
         s = streams
         self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
@@ -74,7 +80,7 @@ class GroupLoop:
         s = self.streams
         with contextlib.ExitStack() as held:
             if staged is None and self.o.attention_fn is None and len(groups) > 1 and \
-                    isinstance(self.backend, SDPABackend):
+                    isinstance(self.backend, SDPABackend) and not self.over_queries:
                 held.enter_context(held_sdpa_order(s.device, s.batch * s.q_tokens * len(groups[0].q) * s.head_dim))
             return self._run_groups(groups, out, staged, q_in_out, q_normed, single)
 
@@ -86,6 +92,8 @@ class GroupLoop:
                 self.attend_staged(staged, group, out, last, q_in_out, q_normed)
                 continue
             result = self.attend(group, out, last, q_in_out, q_normed)
+            if result is None:   # written over the group's q in `out`
+                continue
             if single and tuple(result.shape) == self.output_shape and result.dtype == self.streams.dtype:
                 return result
             if out is None:
@@ -119,8 +127,9 @@ class GroupLoop:
             self.capture.take("k", k, group)
 
     def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool,
-               q_normed: bool = False) -> torch.Tensor:
-        """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place. q, then k,
+               q_normed: bool = False) -> Optional[torch.Tensor]:
+        """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place, or None where
+        it was written over the group's q in `out` (`over_queries` with `q_in_out`). q, then k,
         then v, each normalized as soon as it is projected: the norm's scratch is live beside at most two of
         the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was projected into
         this group's heads of `out` (normalized here in place, a strided view, unless `q_normed`: every
@@ -152,6 +161,11 @@ class GroupLoop:
             del q, k, v, extra
             result = o.attention_fn(qkv, group)
             qkv.clear()
+        elif self.over_queries and q_in_out and o.attention_mask is None and \
+                attend_over_queries_(q, k, v, o.softmax_scale):
+            del q, k, v, extra
+            count_attention(OVER_QUERIES_LABEL)
+            return None
         else:
             del extra
             result = pay_attention(q, k, v, mask=group_mask(o.attention_mask, s.heads, group),

@@ -64,13 +64,16 @@ class SplitPlan(NamedTuple):
 
 
 def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None,
-               split_heads: Optional[bool] = None, unsliceable: Optional[str] = None) -> SplitPlan:
+               split_heads: Optional[bool] = None, unsliceable: Optional[str] = None,
+               target_scale: float = 1.0) -> SplitPlan:
     """The one place that decides the head split, for the runtime's calls and for whoever plans memory
     around them (the node's memory estimate): `kv_heads` key/value heads, `tokens` query tokens of one batch
     item (for cross attention the longer of the two sequences; a batch of short sequences is not split: on a
     GPU a whole model of 1 MP images, cond and uncond batched, ran 3-8x slower split, for ~100 MiB), `level` (default: the process
     level), `floor` (the fewest tokens that are split; default `SPLIT_FLOOR_TOKENS`), `split_heads=False`
-    (the caller's "never"), `unsliceable` (why a projection that would be split cannot be computed by rows)."""
+    (the caller's "never"), `unsliceable` (why a projection that would be split cannot be computed by rows),
+    `target_scale` (the level's target count times this: a call whose groups hold fewer transients reaches the
+    level's peak in fewer groups, see `runtime.OVER_QUERIES_GROUP_SCALE`)."""
     lvl = _global_level if level is None else parse_level(level)
     floor = SPLIT_FLOOR_TOKENS if floor is None else floor
     if split_heads is False:
@@ -81,7 +84,7 @@ def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor:
         return SplitPlan(1, f"{tokens} tokens, under {floor}")
     if kv_heads <= 1:
         return SplitPlan(1, "one key/value head")
-    target = TARGET_GROUPS[lvl]
+    target = TARGET_GROUPS[lvl] * target_scale
     divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0]
     if unsliceable is not None:
         return SplitPlan(1, unsliceable)

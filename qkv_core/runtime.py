@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .backends import AttentionBackend, StagedCore, resolve_backend
+from .backends import AttentionBackend, SDPABackend, StagedCore, resolve_backend
+from . import inplace_attention
 from . import head_split
 from .group_loop import GroupLoop
 from .head_split import HeadGroup, head_groups, split_plan
@@ -39,6 +40,16 @@ from .validation import (require_projections, take_activation, unpack_stream, va
 ROWS_CHUNK_ELEMENTS = 1 << 23
 ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
+# A split SDPA call of at most this many tokens an item attends each group with `inplace_attention` (its result
+# written over its queries in the output buffer): no result transient and no copy a group, and one launch
+# where cuDNN's attention takes three. Such calls are bound by the host's launches (Qwen-Image 1328^2, 7,145
+# tokens: ~5 ms of GPU work); on an H200 the kernel took 1.15-1.2x cuDNN's GPU time at 7,145 tokens and
+# 1.3x at 16,896 (Flux 2048^2, GPU-bound), so longer calls keep SDPA.
+OVER_QUERIES_MAX_TOKENS = 12288
+# Its groups hold k and v but no result: two transients where SDPA's hold three, so the level's peak is reached
+# with 2/3 of the groups (Qwen-Image's 24 heads at Medium: 6 groups instead of 8, which also run faster: the
+# kernel's 4 heads a group fill the GPU better than 3).
+OVER_QUERIES_GROUP_SCALE = 2 / 3
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
@@ -100,12 +111,25 @@ class _Call:
                 self._staged = self.backend.staged_core
         return self._staged
 
+    def over_queries(self) -> bool:
+        """Will a split of this call attend its groups over their queries (`inplace_attention`)? A plain SDPA
+        call (no caller's attention function, no tensor or callable mask) of at most
+        `OVER_QUERIES_MAX_TOKENS` tokens an item that the kernel takes (CUDA with Triton, 16-bit, head dim 64
+        or 128)."""
+        o, s = self.o, self.streams
+        if self.staged_core() is not None or o.attention_fn is not None or o.attention_mask is not None or \
+                not isinstance(self.backend, SDPABackend) or o.reuse_input:
+            return False
+        if max(s.q_tokens, s.kv_tokens) > OVER_QUERIES_MAX_TOKENS:
+            return False
+        return inplace_attention.declines(s.device, s.dtype, s.heads, s.kv_heads, s.head_dim) is None
+
     @property
     def floor(self) -> int:
         """The fewest tokens (of one batch item) that are split: the option, else the module's constant."""
         return head_split.SPLIT_FLOOR_TOKENS if self.o.split_floor_tokens is None else self.o.split_floor_tokens
 
-    def plan_groups(self) -> list[HeadGroup]:
+    def plan_groups(self, target_scale: float = 1.0) -> list[HeadGroup]:
         """The call's groups of heads, their count from `split_plan` (the longer of the q and kv sequences, of one
         batch item: cond and uncond batched together are no longer a sequence). A projection that cannot be computed by rows, in a stream long enough to be
         split, keeps the call in one group (said once); a short stream's is projected whole and sliced."""
@@ -114,7 +138,7 @@ class _Call:
                             for name, proj in source.proj.items()   # short streams: projected whole, sliced
                             for reason in [proj.not_row_sliceable()] if reason is not None), None)
         plan = split_plan(s.kv_heads, max(s.q_tokens, s.kv_tokens), o.head_split_level, self.floor,
-                          o.split_heads, None if unsliceable is None else unsliceable[1])
+                          o.split_heads, None if unsliceable is None else unsliceable[1], target_scale)
         if unsliceable is not None and plan.reason == unsliceable[1]:
             name, reason = unsliceable
             notice_once(f"unsplit:{reason}", f"[Attention] Head Split is not applied: the {name} projection "
@@ -124,9 +148,11 @@ class _Call:
     def run(self) -> torch.Tensor:
         """The output `(B, q tokens, heads, head_dim)` in the inputs' dtype."""
         o, s = self.o, self.streams
-        groups = self.plan_groups()
-        kept_keys: dict[int, torch.Tensor] = {}   # k of the first groups, from the statistics pass
         staged = self.staged_core()
+        over_queries = self.over_queries()
+        groups = self.plan_groups(OVER_QUERIES_GROUP_SCALE if over_queries else 1.0)
+        over_queries = over_queries and len(groups) > 1   # one group returns the attention's own result
+        kept_keys: dict[int, torch.Tensor] = {}   # k of the first groups, from the statistics pass
         count_split(len(groups), s.batch * max(s.q_tokens, s.kv_tokens))
         if staged is not None:   # plain backends count themselves in pay_attention, a caller's function its own
             count_attention(f"{self.backend.name} (staged)", len(groups))
@@ -143,7 +169,7 @@ class _Call:
                     return reused
             capture = None if o.capture_kv is None else \
                 KVCapture(o.capture_kv, s.batch, s.kv_heads, s.head_dim, s.dtype, s.device)
-            loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys, capture)
+            loop = GroupLoop(s, o, self.norm_rope, self.backend, kept_keys, capture, over_queries)
             # one group, not staged: the attention's own result is returned (no buffer beside it, no copy)
             single = len(groups) == 1 and staged is None
             out = None if single else loop.empty_output()

@@ -114,3 +114,42 @@ def test_sage1_staged_core_equals_sageattn_on_cuda():
     want = sageattn(q.clone(), k.clone(), v.clone(), tensor_layout="NHD")
     got = qc.kv_first_attention([q.clone(), k.clone(), v.clone()], force_attention="sage")
     assert torch.equal(got, want)
+
+
+def test_attention_over_queries_on_cuda():
+    """The kernel against SDPA (cuDNN or FlashAttention) at a Qwen-Image 1328^2 head group (7,145 tokens, 4 of 24
+    heads in the output buffer), and a short split call through it: 6 groups at Medium, a lower peak than
+    SDPA's 8 groups with their result copies."""
+    from qkv_core import inplace_attention, runtime
+    if inplace_attention.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dim, kv_heads in ((128, 4), (64, 2)):
+        buffer = torch.randn(1, 7145, 24, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = buffer[:, :, 4:8]
+        k = torch.randn(1, 7145, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn_like(k)
+        want = qc.pay_attention(q.clone(), k, v, force_attention="sdpa").float()
+        rest = buffer[:, :, 8:].clone()
+        assert inplace_attention.attend_over_queries_(q, k, v)
+        assert float((q.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+        assert torch.equal(buffer[:, :, 8:], rest)
+    heads, dim, width = 24, 128, 3072
+    layers = [torch.nn.Linear(width, heads * dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    x = torch.randn(1, 7145, width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+    results = {}
+    for limit in (runtime.OVER_QUERIES_MAX_TOKENS, 0):   # the kernel, then SDPA alone
+        saved, runtime.OVER_QUERIES_MAX_TOKENS = runtime.OVER_QUERIES_MAX_TOKENS, limit
+        try:
+            qc.drain_tally()
+            with torch.no_grad():
+                measured = measure_peak(qc.qkv_attention, [x.clone()], *layers, heads, dim, head_split_level="medium",
+                                        force_attention="sdpa", split_floor_tokens=0, device="cuda")
+            results[limit] = (measured.result.float(), measured.peak_bytes, qc.drain_tally())
+        finally:
+            runtime.OVER_QUERIES_MAX_TOKENS = saved
+    (over, over_peak, over_tally), (sdpa, sdpa_peak, sdpa_tally) = results.values()
+    assert over_tally.splits == {6: 1} and over_tally.kernels == {"sdpa (Triton, over the queries)": 6}
+    assert sdpa_tally.splits == {8: 1}
+    assert float((over - sdpa).abs().max()) <= 2e-2 * float(sdpa.abs().max())
+    assert over_peak < sdpa_peak
