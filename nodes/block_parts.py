@@ -215,13 +215,17 @@ def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinea
 
 def foreign_part(block) -> Optional[str]:
     """Another node's forward or module hook on a part of `block` the pack's bounded block computes itself
-    (then ComfyUI's block runs, calling it), else None."""
-    for name, part in block.named_children():
-        for module in part.modules():
+    (then ComfyUI's block runs, calling it), else None. Asked at every guarded call, so it walks the modules'
+    own dicts (`Module.modules()`' nested generators cost a block of ~50 modules about 0.1 ms of host time)."""
+    for name, part in block._modules.items():
+        stack = [part] if part is not None else []
+        while stack:
+            module = stack.pop()
             if compat.foreign_forward(module):
                 return f"another node patched its {name}"
             if module._forward_hooks or module._forward_pre_hooks:
                 return f"another node hooks its {name}"
+            stack.extend(sub for sub in module._modules.values() if sub is not None)
     return None
 
 
