@@ -10,7 +10,7 @@ its rows of one head, so nothing it writes is read by another.
 `attend_over_queries_(q, k, v, softmax_scale)`: q `(B, Nq, h, D)` (a strided view; channels contiguous) is
 overwritten with softmax(q k^T * scale) v; k, v `(B, Nk, hk, D)` with hk dividing h (query head i uses key head
 i // (h // hk)). No mask. Returns False (nothing done) when the kernel cannot take the call: no Triton, not
-CUDA (or the interpreter on CPU), not fp16/bf16, a head dim other than 64 or 128, a GPU under compute
+CUDA (or the interpreter on CPU), not fp16/bf16, a head dim other than 128, a GPU under compute
 capability 8.0; the caller then runs its backend and copies, as before.
 """
 from __future__ import annotations
@@ -97,8 +97,10 @@ if triton is not None:
         tl.store(q_ptrs, acc.to(q_ptr.dtype.element_ty), mask=row_mask)
 
 
-# (head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H200 (docs/benchmarks.md)
-_CONFIGS = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+# (head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H200 (docs/benchmarks.md). Head dim 128
+# only: at 64 (Kandinsky 5, 28 heads) an untuned (128, 64, 4, 3) took a whole Video Lite model from 0.96x to
+# 1.71x stock's time, so those calls keep SDPA.
+_CONFIGS = {128: (128, 64, 8, 3)}
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 
 
@@ -112,7 +114,7 @@ def declines(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16, got {dtype}"
     if head_dim not in _CONFIGS:
-        return f"head dim {head_dim} (64 and 128 are taken)"
+        return f"head dim {head_dim} (128 is taken)"
     if kv_heads <= 0 or heads % kv_heads:
         return f"{heads} heads over {kv_heads} key/value heads"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):

@@ -114,8 +114,8 @@ class _Call:
     def over_queries(self) -> bool:
         """Will a split of this call attend its groups over their queries (`inplace_attention`)? A plain SDPA
         call (no caller's attention function, no tensor or callable mask) of at most
-        `OVER_QUERIES_MAX_TOKENS` tokens an item that the kernel takes (CUDA with Triton, 16-bit, head dim 64
-        or 128)."""
+        `OVER_QUERIES_MAX_TOKENS` tokens an item that the kernel takes (CUDA with Triton, 16-bit, head dim
+        128)."""
         o, s = self.o, self.streams
         if self.staged_core() is not None or o.attention_fn is not None or o.attention_mask is not None or \
                 not isinstance(self.backend, SDPABackend) or o.reuse_input:

@@ -118,13 +118,13 @@ def test_sage1_staged_core_equals_sageattn_on_cuda():
 
 def test_attention_over_queries_on_cuda():
     """The kernel against SDPA (cuDNN or FlashAttention) at a Qwen-Image 1328^2 head group (7,145 tokens, 4 of 24
-    heads in the output buffer), and a short split call through it: 6 groups at Medium, a lower peak than
-    SDPA's 8 groups with their result copies."""
+    heads in the output buffer; also over one key/value head), and a short split call through it: 6 groups at
+    Medium, a lower peak than SDPA's 8 groups with their result copies. Head dim 64 is declined."""
     from qkv_core import inplace_attention, runtime
     if inplace_attention.triton is None:
         pytest.skip("Triton is not installed")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for dim, kv_heads in ((128, 4), (64, 2)):
+    for dim, kv_heads in ((128, 4), (128, 1)):   # one key/value head: grouped-query
         buffer = torch.randn(1, 7145, 24, dim, device="cuda", dtype=torch.bfloat16, generator=g)
         q = buffer[:, :, 4:8]
         k = torch.randn(1, 7145, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -134,6 +134,8 @@ def test_attention_over_queries_on_cuda():
         assert inplace_attention.attend_over_queries_(q, k, v)
         assert float((q.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
         assert torch.equal(buffer[:, :, 8:], rest)
+    small = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16)
+    assert not inplace_attention.attend_over_queries_(small, small, small)
     heads, dim, width = 24, 128, 3072
     layers = [torch.nn.Linear(width, heads * dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     x = torch.randn(1, 7145, width, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1

@@ -27,8 +27,8 @@ KERNEL_CHECK = textwrap.dedent("""
 
     # (batch, q tokens, kv tokens, heads, kv heads, head dim, scale): ragged ends of both blocks, grouped-query,
     # a kv sequence of its own length (a prefix), a given scale
-    for batch, nq, nk, h, hk, d, scale in ((1, 37, 37, 2, 2, 64, None), (2, 20, 45, 4, 2, 64, None),
-                                           (1, 16, 16, 1, 1, 128, 0.05), (2, 33, 17, 3, 1, 64, None)):
+    for batch, nq, nk, h, hk, d, scale in ((1, 37, 37, 2, 2, 128, None), (2, 20, 45, 4, 2, 128, None),
+                                           (1, 16, 16, 1, 1, 128, 0.05), (2, 33, 17, 3, 1, 128, None)):
         for dtype in (torch.float16, torch.bfloat16):
             storage = torch.randn(batch, nq, 3 * h, d, generator=g).to(dtype)
             q = storage[:, :, h:2 * h]                          # a group's heads of an output buffer
@@ -42,14 +42,16 @@ KERNEL_CHECK = textwrap.dedent("""
             assert torch.equal(storage[:, :, :h], before[:, :, :h]) and torch.equal(storage[:, :, 2 * h:],
                                                                                     before[:, :, 2 * h:])
             cases += 1
-    # what it refuses: float32, a head dim other than 64 / 128, channels not contiguous, k and v apart
-    x = torch.randn(1, 8, 2, 64)
+    # what it refuses: float32, a head dim other than 128 (64 is not tuned), channels not contiguous, k and v of
+    # different lengths
+    x = torch.randn(1, 8, 2, 128)
     assert ia.cannot_attend_over_queries(x, x, x) is not None
-    y = torch.randn(1, 8, 2, 32, dtype=torch.bfloat16)
-    assert not ia.attend_over_queries_(y, y, y)
-    z = torch.randn(1, 8, 64, 2, dtype=torch.bfloat16).transpose(2, 3)
+    for dim in (32, 64):
+        y = torch.randn(1, 8, 2, dim, dtype=torch.bfloat16)
+        assert not ia.attend_over_queries_(y, y, y)
+    z = torch.randn(1, 8, 128, 2, dtype=torch.bfloat16).transpose(2, 3)
     assert not ia.attend_over_queries_(z, z, z)
-    w = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    w = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     assert not ia.attend_over_queries_(w, w, w[:, :4])
     print("cases", cases)
 """)
@@ -60,7 +62,7 @@ JOINT_CHECK = textwrap.dedent("""
     from qkv_core import runtime, tally
     runtime.OVER_QUERIES_MAX_TOKENS = 100   # these tiny calls stand for the short calls it takes
     g = torch.Generator().manual_seed(0)
-    heads, dim, width = 24, 64, 96
+    heads, dim, width = 24, 128, 96
     streams = [(torch.randn(2, 9, width, generator=g).to(torch.bfloat16),
                 [torch.nn.Linear(width, heads * dim, dtype=torch.bfloat16) for _ in range(3)]),
                (torch.randn(2, 40, width, generator=g).to(torch.bfloat16),
@@ -105,14 +107,14 @@ def test_the_level_target_scales_to_the_nearest_divisor():
 
 @pytest.mark.skipif(inplace_attention.INTERPRET, reason="the interpreter runs the kernel on CPU")
 def test_without_a_gpu_split_calls_keep_sdpa_and_the_levels_count():
-    x = torch.randn(1, 64, 8 * 64, dtype=torch.bfloat16)
-    q = torch.randn(1, 64, 8, 64, dtype=torch.bfloat16)
+    x = torch.randn(1, 64, 8 * 128, dtype=torch.bfloat16)
+    q = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
     assert inplace_attention.cannot_attend_over_queries(q, q, q) is not None
     assert not inplace_attention.attend_over_queries_(q, q, q)
-    layers = [torch.nn.Linear(512, 512, dtype=torch.bfloat16) for _ in range(3)]
+    layers = [torch.nn.Linear(1024, 1024, dtype=torch.bfloat16) for _ in range(3)]
     qc.drain_tally()
     with torch.no_grad():
-        qc.qkv_attention([x], *layers, 8, 64, head_split_level="medium", force_attention="sdpa",
+        qc.qkv_attention([x], *layers, 8, 128, head_split_level="medium", force_attention="sdpa",
                          split_floor_tokens=0)
     counted = qc.drain_tally()
     assert counted.splits == {8: 1} and counted.kernels == {"sdpa": 8}
