@@ -143,6 +143,9 @@ def test_attention_over_queries_on_cuda():
     for limit in (runtime.OVER_QUERIES_MAX_TOKENS, 0):   # the kernel, then SDPA alone
         saved, runtime.OVER_QUERIES_MAX_TOKENS = runtime.OVER_QUERIES_MAX_TOKENS, limit
         try:
+            with torch.no_grad():   # once unmeasured: cuBLAS's workspace is allocated at a process's first product
+                qc.qkv_attention([x.clone()], *layers, heads, dim, head_split_level="medium", force_attention="sdpa",
+                                 split_floor_tokens=0)
             qc.drain_tally()
             with torch.no_grad():
                 measured = measure_peak(qc.qkv_attention, [x.clone()], *layers, heads, dim, head_split_level="medium",
@@ -154,4 +157,4 @@ def test_attention_over_queries_on_cuda():
     assert over_tally.splits == {6: 1} and over_tally.kernels == {"sdpa (Triton, over the queries)": 6}
     assert sdpa_tally.splits == {8: 1}
     assert float((over - sdpa).abs().max()) <= 2e-2 * float(sdpa.abs().max())
-    assert over_peak < sdpa_peak
+    assert over_peak < sdpa_peak, (over_peak / x.nbytes, sdpa_peak / x.nbytes)
