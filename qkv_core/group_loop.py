@@ -55,7 +55,8 @@ class GroupLoop:
                  backend: Optional[AttentionBackend], kept_keys: dict[int, torch.Tensor],
                  capture: Optional[KVCapture] = None, over_queries: bool = False):
         self.streams, self.o, self.norm_rope, self.backend, self.kept_keys = streams, o, norm_rope, backend, kept_keys
-        # each group's attention written over its q in the output buffer (`inplace_attention`), where it takes them
+        # each group's attention written over its q in the output buffer (`inplace_attention`): the call decides it
+        # (`_Call.over_queries`: plain SDPA, no mask, short), the kernel may still decline a group (then SDPA)
         self.over_queries = over_queries
         self.capture = capture   # `capture_kv`: each group's normalized keys and values of the range
         s = streams
@@ -161,8 +162,7 @@ class GroupLoop:
             del q, k, v, extra
             result = o.attention_fn(qkv, group)
             qkv.clear()
-        elif self.over_queries and q_in_out and o.attention_mask is None and \
-                attend_over_queries_(q, k, v, o.softmax_scale):
+        elif self.over_queries and q_in_out and attend_over_queries_(q, k, v, o.softmax_scale):
             del q, k, v, extra
             count_attention(OVER_QUERIES_LABEL)
             return None

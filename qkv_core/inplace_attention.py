@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .kernels import INTERPRET, triton
+from .kernels import runs_on, triton
 
 if triton is not None:
     import triton.language as tl
@@ -98,8 +98,8 @@ if triton is not None:
 
 
 # (head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H200 (docs/benchmarks.md). Head dim 128
-# only: at 64 (Kandinsky 5, 28 heads) an untuned (128, 64, 4, 3) took a whole Video Lite model from 0.96x to
-# 1.71x stock's time, so those calls keep SDPA.
+# only: 64 (Kandinsky 5, 28 heads) has no measured tiles (one whole Video Lite run with untuned ones took 615 ms
+# against 345 for SDPA in another run, on a host whose speed moved by as much), so those calls keep SDPA.
 _CONFIGS = {128: (128, 64, 8, 3)}
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 
@@ -109,7 +109,7 @@ def declines(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int
     projects anything), else why not."""
     if triton is None:
         return "Triton is not installed"
-    if not (device.type == "cuda" or (INTERPRET and device.type == "cpu")):
+    if not runs_on(device):
         return f"needs a CUDA tensor, got {device.type}"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16, got {dtype}"

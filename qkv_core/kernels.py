@@ -190,9 +190,14 @@ if triton is not None:
         tl.store(lse_ptrs, merged, mask=rows)
 
 
+def runs_on(device: torch.device) -> bool:
+    """Is Triton usable on this device (CUDA, or the interpreter on CPU)?"""
+    return triton is not None and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
+
+
 def can_run(t: torch.Tensor) -> bool:
-    """Is Triton usable for this tensor (CUDA, or the interpreter on CPU)?"""
-    return triton is not None and (t.is_cuda or (INTERPRET and t.device.type == "cpu"))
+    """Is Triton usable for this tensor (`runs_on` its device)?"""
+    return runs_on(t.device)
 
 
 def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weight: Optional[torch.Tensor] = None,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from qkv_core import head_split, inplace_attention, runtime
+from qkv_core import head_split, inplace_attention, kernels, runtime
 from test_kernels import run_in_interpreter
 
 KERNEL_CHECK = textwrap.dedent("""
@@ -105,7 +105,7 @@ def test_the_level_target_scales_to_the_nearest_divisor():
     assert head_split.split_plan(24, 10_000, 2, 0).groups == 8
 
 
-@pytest.mark.skipif(inplace_attention.INTERPRET, reason="the interpreter runs the kernel on CPU")
+@pytest.mark.skipif(kernels.INTERPRET, reason="the interpreter runs the kernel on CPU")
 def test_without_a_gpu_split_calls_keep_sdpa_and_the_levels_count():
     x = torch.randn(1, 64, 8 * 128, dtype=torch.bfloat16)
     q = torch.randn(1, 64, 8, 128, dtype=torch.bfloat16)
