@@ -14,6 +14,7 @@ pieces of a bounded block every family shares are in `nodes/block_parts.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -207,6 +208,7 @@ class PerHeadNormRope:
         self.ranges, self.freqs, self.rope = list(ranges), freqs, rope
         self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
         self._plans: dict = {}     # (which, device, dtype, head size) -> the fused passes' arguments (`_plan`)
+        self._passes: dict = {}    # (which, start, stop) -> the last `kernels.NormRopePass` worked out for them
 
     def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
         """One Triton pass (CUDA): the norm over each head's channels and the RoPE, for torch RMSNorms."""
@@ -236,15 +238,27 @@ class PerHeadNormRope:
         arguments are worked out once a call (`_plan`): each head group's keys only take their launches."""
         joined, separate = self._plan(t, which)
         if joined is not None:
-            start, stop, args, kwargs = joined
-            launch = kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
+            launch = self._pass_launch(t, which, *joined)
             if launch is not None:
                 return [launch]
         if separate is None:
             return None
-        launches = [kernels.norm_rope_launch(t[:, start:stop], *args, **kwargs)
-                    for start, stop, args, kwargs in separate]
+        launches = [self._pass_launch(t, which, *planned) for planned in separate]
         return None if None in launches else launches
+
+    def _pass_launch(self, t: torch.Tensor, which: int, start: int, stop: int, args: tuple, kwargs: dict):
+        """The launch of the pass over the tokens [start, stop) of `t`, or None. The pass is worked out once a
+        call and kept for the next tensor of the same layout (every head group's keys: `kernels.NormRopePass`
+        holds none of them)."""
+        part = t if start == 0 and stop == t.shape[1] else t[:, start:stop]
+        key = (which, start, stop)
+        planned = self._passes.get(key)
+        if planned is None or not planned.fits(part):
+            planned = kernels.norm_rope_pass(part, *args, **kwargs)
+            if planned is None:
+                return None
+            self._passes[key] = planned
+        return functools.partial(planned.run, part)
 
     def _plan(self, t: torch.Tensor, which: int) -> tuple:
         """`(joined, separate)`: the arguments of one pass over two adjacent streams (or None), and of one pass

@@ -91,8 +91,9 @@ class ChunkedMLP:
         self.hidden_width = _hidden_width(mlp)
         plain = isinstance(mlp, torch.nn.Sequential) and len(mlp) == 3 and hasattr(mlp[0], "weight") and \
             hasattr(mlp[2], "weight") and not_row_sliceable(mlp[0]) is None and not_row_sliceable(mlp[2]) is None
-        self.up = CastLinear(mlp[0], like) if plain else None
-        self.down = CastLinear(mlp[2], like) if plain else None
+        # probed just above: CastLinear need not ask again
+        self.up = CastLinear(mlp[0], like, sliceable=None) if plain else None
+        self.down = CastLinear(mlp[2], like, sliceable=None) if plain else None
 
     @property
     def hidden_per_token(self) -> int:
@@ -215,18 +216,9 @@ def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinea
 
 def foreign_part(block) -> Optional[str]:
     """Another node's forward or module hook on a part of `block` the pack's bounded block computes itself
-    (then ComfyUI's block runs, calling it), else None. Asked at every guarded call, so it walks the modules'
-    own dicts (`Module.modules()`' nested generators cost a block of ~50 modules about 0.1 ms of host time)."""
-    for name, part in block._modules.items():
-        stack = [part] if part is not None else []
-        while stack:
-            module = stack.pop()
-            if compat.foreign_forward(module):
-                return f"another node patched its {name}"
-            if module._forward_hooks or module._forward_pre_hooks:
-                return f"another node hooks its {name}"
-            stack.extend(sub for sub in module._modules.values() if sub is not None)
-    return None
+    (then ComfyUI's block runs, calling it), else None. Asked at every guarded call: read from the walk that
+    also makes the call's layer signature (`compat.module_tree`)."""
+    return compat.module_tree(block).foreign
 
 
 __all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "output_projection_", "foreign_part",

@@ -60,14 +60,44 @@ def _is_quantized(tensor) -> bool:
     return _QUANTIZED_TENSOR is not None and isinstance(tensor, _QUANTIZED_TENSOR)
 
 
+def module_attr(module, name: str, default=None):
+    """`getattr(module, name, default)` for a data attribute of a module (a flag, a scale, a LoRA function
+    list), without `Module.__getattr__`'s cost where the module has none (it raises and catches an
+    AttributeError: microseconds, and the probes below ask a dozen a layer at every call). The instance's own
+    attributes, parameters, buffers and submodules, then its class's plain attributes; a class descriptor
+    (a property, a method) goes through `getattr`."""
+    found = getattr(module, "__dict__", None)
+    if found is None:
+        return getattr(module, name, default)
+    value = found.get(name, _ABSENT)
+    if value is not _ABSENT:
+        return value
+    for store in ("_parameters", "_buffers", "_modules"):
+        values = found.get(store)
+        if values and name in values:
+            return values[name]
+    value = getattr(type(module), name, _ABSENT)
+    if value is _ABSENT:
+        return default
+    if hasattr(type(value), "__get__"):
+        return getattr(module, name, default)   # a descriptor: what the instance gives
+    return value
+
+
+_ABSENT = object()
+
+
 def dequantizes_itself(linear) -> bool:
     """A layer that dequantizes its own weight: city96/ComfyUI-GGUF's `GGMLLayer`, whose forward is
     `weight, bias = layer.cast_bias_weight(input)` (dequantized, its LoRA patches applied) then `F.linear`. Its
     rows are rows of that weight. Told by structure (a quantized GGML weight and the layer's own cast method);
     the self-check confirms the numbers."""
+    # both are methods of the layer's class (GGMLLayer): asked of the class first, no attribute lookup that fails
+    if not (callable(getattr(type(linear), "is_ggml_quantized", None)) and
+            callable(getattr(type(linear), "cast_bias_weight", None))):
+        return False
     is_quantized = getattr(linear, "is_ggml_quantized", None)
-    own_cast = getattr(type(linear), "cast_bias_weight", None)
-    if not (callable(is_quantized) and callable(own_cast)):
+    if not callable(is_quantized):
         return False
     try:
         return bool(is_quantized())
@@ -90,15 +120,15 @@ def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
         return None, "this ComfyUI's quantized layers have no CastBiasWeightContext"
     if "MixedPrecisionOps" not in type(linear).__qualname__:
         return None, f"{type(linear).__qualname__} computes its own way"
-    if getattr(linear, "pre_quant_scale", None) is not None:
+    if module_attr(linear, "pre_quant_scale", None) is not None:
         return None, "input smoothing (pre_quant_scale)"
-    quantized_call = (getattr(linear, "layout_type", None) is not None and
-                      not getattr(linear, "_full_precision_mm", False) and
-                      not getattr(linear, "comfy_force_cast_weights", False) and
-                      not getattr(linear, "weight_function", None) and not getattr(linear, "bias_function", None))
+    quantized_call = (module_attr(linear, "layout_type", None) is not None and
+                      not module_attr(linear, "_full_precision_mm", False) and
+                      not module_attr(linear, "comfy_force_cast_weights", False) and
+                      not module_attr(linear, "weight_function", None) and not module_attr(linear, "bias_function", None))
     if not quantized_call:
         return "dequantized", None
-    if not _QUANT_ALGOS.get(getattr(linear, "quant_format", None), {}).get("quantize_input", True):
+    if not _QUANT_ALGOS.get(module_attr(linear, "quant_format", None), {}).get("quantize_input", True):
         # weight-only formats (int8_tensorwise, w4a8, ...): the layer hands its 16-bit input to the weight's own
         # matmul; with one scale for the whole weight, a row slice of its data is that matmul's rows
         scale = getattr(getattr(weight, "_params", None), "scale", None)
@@ -127,8 +157,8 @@ def quantizes_inputs(module) -> bool:
 
 
 def _needs_cast(linear) -> bool:
-    return bool(getattr(linear, "comfy_cast_weights", False) or getattr(linear, "weight_function", None)
-                or getattr(linear, "bias_function", None))
+    return bool(module_attr(linear, "comfy_cast_weights", False) or module_attr(linear, "weight_function", None)
+                or module_attr(linear, "bias_function", None))
 
 
 _CAST_KWARGS = set(inspect.signature(comfy.ops.cast_bias_weight).parameters)
@@ -188,15 +218,15 @@ def fp8_matmul_rows(linear) -> bool:
     return (_FP8_OPS_LINEAR is not None and _FP8_LINEAR is not None and _QUANTIZED_TENSOR is not None
             and _CAST_CONTEXT is not None and _FP8_PARAMS is not None and isinstance(linear, _FP8_OPS_LINEAR)
             and type(linear).forward_comfy_cast_weights is _FP8_OPS_LINEAR.forward_comfy_cast_weights
-            and getattr(linear, "weight", None) is not None and linear.weight.dtype == torch.float8_e4m3fn
-            and not getattr(linear, "weight_function", None) and not getattr(linear, "bias_function", None)
-            and getattr(linear, "scale_weight", None) is None and getattr(linear, "scale_input", None) is None)
+            and module_attr(linear, "weight") is not None and module_attr(linear, "weight").dtype == torch.float8_e4m3fn
+            and not module_attr(linear, "weight_function", None) and not module_attr(linear, "bias_function", None)
+            and module_attr(linear, "scale_weight", None) is None and module_attr(linear, "scale_input", None) is None)
 
 
 def not_row_sliceable(linear) -> Optional[str]:
     """None when rows of `linear`'s output can be computed exactly from row slices of its cast weight, else
     why not. Probes structure (attributes, dtypes), so an unknown layer degrades to "run whole"."""
-    weight = getattr(linear, "weight", None)
+    weight = module_attr(linear, "weight")
     if weight is None or not torch.is_tensor(weight) or weight.dim() != 2:
         return f"{type(linear).__name__} has no 2-D weight"
     if dequantizes_itself(linear) or fp8_matmul_rows(linear):
@@ -209,12 +239,12 @@ def not_row_sliceable(linear) -> Optional[str]:
         return f"QuantizedTensor weight ({layout}) computes in its own format: {problem}"
     cls = type(linear)
     forward = cls.forward
-    if getattr(linear, "scale_weight", None) is not None and torch.is_tensor(linear.scale_weight):
+    if module_attr(linear, "scale_weight", None) is not None and torch.is_tensor(linear.scale_weight):
         # scaled fp8 (ComfyUI before the QuantizedTensor rewrite): exact when it does not use fp8 matmuls
-        if getattr(cls, "fp8_matrix_mult", False) or getattr(linear, "scale_input", None) is not None:
+        if getattr(cls, "fp8_matrix_mult", False) or module_attr(linear, "scale_input", None) is not None:
             return "scaled fp8 with fp8 matrix multiplication"
         return None
-    if getattr(linear, "layout_type", None) is not None:
+    if module_attr(linear, "layout_type", None) is not None:
         return f"quantized layout {linear.layout_type}"
     if forward in _CANONICAL_FORWARDS and cls.forward_comfy_cast_weights in _CANONICAL_CAST_FORWARDS:
         # stored in 16/32 bits, or fp8 cast per call (ComfyUI's manual cast): the cast weight's rows are exact
@@ -230,17 +260,21 @@ def not_row_sliceable(linear) -> Optional[str]:
     return f"{cls.__module__}.{cls.__qualname__} computes its own way"
 
 
+_ASK = object()   # an argument not given: the callee probes the layer itself
+
+
 class CastLinear:
     """A ComfyUI Linear's weight and bias cast once for `x`'s device and dtype (owned: `cast_owned`);
     `release()` drops them. `cast(t)` applies it to any input with `x`'s dtype/device. A layer that computes
     in its own format (QuantizedTensor matmuls, ComfyUI's fp8 ops, unknown op classes) is not cast:
     `cast(t)` runs the layer itself, as ComfyUI runs it (`weight` is None then)."""
 
-    def __init__(self, linear, x: torch.Tensor):
+    def __init__(self, linear, x: torch.Tensor, sliceable=_ASK):
+        """`sliceable`: `not_row_sliceable(linear)` where the caller has just asked it (not asked again)."""
         self._linear = linear
         self.weight = self.bias = None
-        self.own_format = not_row_sliceable(linear)
-        if self.own_format is None and _is_quantized(getattr(linear, "weight", None)):
+        self.own_format = not_row_sliceable(linear) if sliceable is _ASK else sliceable
+        if self.own_format is None and _is_quantized(module_attr(linear, "weight")):
             self.own_format = "QuantizedTensor weight: the layer's own quantized matmul"
         if self.own_format is None and fp8_matmul_rows(linear):
             self.own_format = "ComfyUI's fp8 ops: the layer's own fp8 matmul"
@@ -253,7 +287,7 @@ class CastLinear:
             weight, bias = cast_owned(linear, x)
         else:
             weight, bias = linear.weight, linear.bias
-        scale = getattr(linear, "scale_weight", None)
+        scale = module_attr(linear, "scale_weight", None)
         if scale is not None and torch.is_tensor(scale):
             weight = weight * scale.to(device=weight.device, dtype=weight.dtype)
         self.weight, self.bias = weight, bias
@@ -332,7 +366,7 @@ class ComfyLinearRows(RowProjection):
         self.linear = linear
         self.out_features = getattr(linear, "out_features", None)
         self._reason = not_row_sliceable(linear)
-        quantized = self._reason is None and _is_quantized(getattr(linear, "weight", None))
+        quantized = self._reason is None and _is_quantized(module_attr(linear, "weight"))
         self._mode = quantized_rows_mode(linear)[0] if quantized else None   # "quantized", "dequantized", "weight_only"
         if self._reason is None and self._mode is None and fp8_matmul_rows(linear):
             self._mode = "fp8_matmul"
@@ -365,10 +399,10 @@ class ComfyLinearRows(RowProjection):
             return QuantizedRows(self.linear, x, fp8_ops=True)
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
-        weight_rows = row_caster(self.linear, x)
+        weight_rows = row_caster(self.linear, x, sliceable=True)
         if weight_rows is not None:
             return RowsOnDemand(x, self.linear.weight.shape[0], weight_rows)
-        cast = CastLinear(self.linear, x)
+        cast = CastLinear(self.linear, x, sliceable=None)   # probed at construction: rows, no format of its own
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
 
 
@@ -376,7 +410,7 @@ def _plain_tensor(t) -> bool:
     return t is None or (torch.is_tensor(t) and type(t) in (torch.Tensor, torch.nn.Parameter))
 
 
-def row_caster(linear, x: torch.Tensor) -> Optional[Callable[[int, int], tuple]]:
+def row_caster(linear, x: torch.Tensor, sliceable: bool = False) -> Optional[Callable[[int, int], tuple]]:
     """`(start, stop) -> (weight rows, bias rows)` as the layer's cast would make them, casting only those
     rows, or None where only the whole cast is exact or safe (then the whole weight is cast once per call).
 
@@ -387,18 +421,19 @@ def row_caster(linear, x: torch.Tensor) -> Optional[Callable[[int, int], tuple]]
     - GGUF (city96/ComfyUI-GGUF): every quantized block lies inside one row (a row is whole blocks), so the
       layer's own `get_weight` on a row slice of the raw blocks dequantizes exactly those rows.
     Why: the whole cast weight of k and v stays beside the input for the layer call; at 720p a Wan 14B
-    weight is 0.07 |x| each, and holding them put the block at 2.54 |x| (H200, fp8)."""
-    weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
-    if (hasattr(linear, "_v") or getattr(linear, "weight_function", None) or getattr(linear, "bias_function", None)
+    weight is 0.07 |x| each, and holding them put the block at 2.54 |x| (H200, fp8). `sliceable=True`: the
+    caller has found `not_row_sliceable(linear)` None (not asked again)."""
+    weight, bias = module_attr(linear, "weight"), module_attr(linear, "bias")
+    if (module_attr(linear, "_v", _ASK) is not _ASK or module_attr(linear, "weight_function", None) or module_attr(linear, "bias_function", None)
             or weight is None or weight.device != x.device or (bias is not None and bias.device != x.device)):
         return None
     if dequantizes_itself(linear):
         return _gguf_row_caster(linear, x)
     if not (_needs_cast(linear) or weight.dtype != x.dtype) or not (_plain_tensor(weight) and _plain_tensor(bias)):
         return None
-    if not_row_sliceable(linear) is not None or not weight.dtype.is_floating_point:
+    if (not sliceable and not_row_sliceable(linear) is not None) or not weight.dtype.is_floating_point:
         return None
-    scale = getattr(linear, "scale_weight", None)
+    scale = module_attr(linear, "scale_weight", None)
     if scale is not None and (not torch.is_tensor(scale) or scale.numel() != 1):
         return None
     dtype = x.dtype

@@ -22,7 +22,7 @@ sampling step of a long sequence, nothing.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -218,10 +218,14 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
         reason = None
         if torch.is_grad_enabled():
             reason = "gradients are enabled (the pack's forwards are for inference)"
-        if reason is None:
-            reason = refuse(args, kwargs)
-        if reason is None:
-            reason = check(args, kwargs)
+        outer, _local.trees = getattr(_local, "trees", None), {}   # module trees walked once for these checks
+        try:
+            if reason is None:
+                reason = refuse(args, kwargs)
+            if reason is None:
+                reason = check(args, kwargs)
+        finally:
+            _local.trees = outer
         if isinstance(reason, ShortCall):
             notice_once(f"short:{what}", f"[QKV] {what}: {SHORT_CALL_NOTICE} ({reason})")
             return stock(*args, **kwargs)
@@ -261,24 +265,50 @@ def _has_weight(module) -> bool:
         "weight" in module._modules or hasattr(type(module), "weight")
 
 
-def layers_signature(module) -> tuple:
-    """Layer classes and weight dtypes under `module` (each module once, in `named_modules()`'s order): a
-    different weight format is checked on its own. Part of every guarded call's signature, so it walks the
-    modules' own dicts: `named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of
-    host time."""
-    out, seen, stack = [], set(), [("", module)]
+class ModuleTree(NamedTuple):
+    """What the guard reads of a module's tree at every call, from one walk (`module_tree`): `layers`, the
+    layer classes and weight dtypes (`layers_signature`), and `foreign`, why a part below the module carries
+    another node's forward or module hook (`block_parts.foreign_part`), or None."""
+
+    layers: tuple
+    foreign: Optional[str]
+
+
+def module_tree(module) -> ModuleTree:
+    """`ModuleTree` of `module`: each module once, in `named_modules()`' order, through the modules' own dicts
+    (`named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of host time). Within
+    one guarded call's checks it is walked once (`layers_signature` and `foreign_part` both ask)."""
+    walked = getattr(_local, "trees", None)
+    if walked is not None and id(module) in walked:
+        return walked[id(module)]
+    layers, foreign, seen, stack = [], None, set(), [("", module, None)]
     while stack:
-        name, child = stack.pop()
+        name, child, part = stack.pop()
         if id(child) in seen:
             continue
         seen.add(id(child))
+        if part is not None and foreign is None:
+            if foreign_forward(child):
+                foreign = f"another node patched its {part}"
+            elif child._forward_hooks or child._forward_pre_hooks:
+                foreign = f"another node hooks its {part}"
         if _has_weight(child):
-            out.append((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None))))
+            layers.append((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None))))
         below = child._modules
         if below:
             prefix = name + "." if name else ""
-            stack.extend((prefix + key, sub) for key, sub in reversed(below.items()) if sub is not None)
-    return tuple(out)
+            stack.extend((prefix + key, sub, key if part is None else part)
+                         for key, sub in reversed(below.items()) if sub is not None)
+    tree = ModuleTree(tuple(layers), foreign)
+    if walked is not None:
+        walked[id(module)] = tree
+    return tree
+
+
+def layers_signature(module) -> tuple:
+    """Layer classes and weight dtypes under `module` (each module once, in `named_modules()`'s order): a
+    different weight format is checked on its own. Part of every guarded call's signature (`module_tree`)."""
+    return module_tree(module).layers
 
 
 def hooks_set(transformer_options) -> frozenset:
@@ -356,4 +386,4 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
 
 __all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "probe_options", "mark_ours",
            "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
-           "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature", "fresh_inputs", "hooks_set", "hooks_refusal"]
+           "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature", "module_tree", "ModuleTree", "fresh_inputs", "hooks_set", "hooks_refusal"]

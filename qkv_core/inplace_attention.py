@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .kernels import runs_on, triton
+from .kernels import capability, cdiv, runs_on, triton
 
 if triton is not None:
     import triton.language as tl
@@ -117,7 +117,7 @@ def declines(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int
         return f"head dim {head_dim} (128 is taken)"
     if kv_heads <= 0 or heads % kv_heads:
         return f"{heads} heads over {kv_heads} key/value heads"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    if device.type == "cuda" and capability(device) < (8, 0):
         return "needs compute capability 8.0 or more"
     return None
 
@@ -150,7 +150,7 @@ def attend_over_queries_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
     interpreted = q.device.type == "cpu"
     block_m, block_n, warps, stages = _INTERPRET_CONFIG if interpreted else _CONFIGS[dim]
-    grid = (triton.cdiv(q_tokens, block_m), batch * heads)
+    grid = (cdiv(q_tokens, block_m), batch * heads)
     _attention_over_q_kernel[grid](q, k, v, q_tokens, k.shape[1], scale * math.log2(math.e),
                                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                                    v.stride(0), v.stride(1), v.stride(2), heads,

@@ -190,6 +190,24 @@ if triton is not None:
         tl.store(lse_ptrs, merged, mask=rows)
 
 
+_CAPABILITIES: dict = {}   # CUDA device index -> its compute capability
+
+
+def capability(device: torch.device) -> tuple:
+    """`torch.cuda.get_device_capability` of a CUDA device, asked once per device: the query costs a few
+    microseconds of host time, and the kernels' checks ask it at every launch."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _CAPABILITIES.get(index)
+    if found is None:
+        found = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return found
+
+
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for host code (`triton.cdiv` is a constexpr function: microseconds a call)."""
+    return -(-a // b)
+
+
 def runs_on(device: torch.device) -> bool:
     """Is Triton usable on this device (CUDA, or the interpreter on CPU)?"""
     return triton is not None and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
@@ -268,18 +286,40 @@ def smooth_quantize_k_per_thread(k: torch.Tensor, mean: torch.Tensor, tile: int 
     return values, scales
 
 
-def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
-                     weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
-                     head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
-                     split: Optional[int] = None, quantize_into: Optional[tuple] = None,
-                     span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None):
-    """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
-    kernel cannot take the call. A caller with several passes checks that every one can run before it runs
-    any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
-    instead: two adjacent streams whose norms differ only by their weights, in one pass. `quantize_into`:
-    `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`). `span_eps`: the inverse
-    RMS over every head computed in the pass (see `norm_rope_`; not with `inverse_rms`). `into`: the 16-bit
-    result written there instead of into `t` (not with `quantize_into`)."""
+class NormRopePass:
+    """A `norm_rope_` launch worked out for tensors of one shape, strides, dtype and device (`norm_rope_pass`):
+    `run(t)` launches it on such a tensor. It keeps the launch's other arguments (weights, RoPE rows, inverse
+    RMS: the caller's, for its call) but no reference to a tensor it ran on, so a caller may keep it for the
+    next tensor of that layout (each head group's keys): the checks and arguments are worked out once. A pass
+    that writes elsewhere (`into`, `quantize_into`) serves its own tensor only (`fits` is False)."""
+
+    __slots__ = ("_grid", "_args", "_meta", "_slots", "_layout")
+
+    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool):
+        self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
+        self._args = tuple(None if arg is t else arg for arg in args)
+        self._grid, self._meta = grid, meta
+        self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
+
+    def fits(self, t: torch.Tensor) -> bool:
+        """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""
+        return self._layout is not None and (t.shape, t.stride(), t.dtype, t.device) == self._layout
+
+    def run(self, t: torch.Tensor) -> None:
+        """The pass on `t` (the tensor it was worked out for, or one that `fits`)."""
+        args = list(self._args)
+        for index in self._slots:
+            args[index] = t
+        _norm_rope_kernel[self._grid](*args, **self._meta)
+
+
+def norm_rope_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
+                   weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                   head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
+                   split: Optional[int] = None, quantize_into: Optional[tuple] = None,
+                   span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None) -> Optional[NormRopePass]:
+    """`norm_rope_launch`'s pass as a `NormRopePass` for `t`'s layout (same arguments), or None when the kernel
+    cannot take the call."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
         return None
     if span_eps is not None and inverse_rms is not None:
@@ -295,12 +335,12 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
             return None
     w = t
     if weight is not None:
-        w = weight.reshape(-1)
+        w = weight if weight.dim() == 1 else weight.reshape(-1)
         if w.numel() not in (dim, heads * dim) or not w.is_contiguous() or w.device != t.device:
             return None
     w2 = w
     if weight2 is not None:
-        w2 = weight2.reshape(-1)
+        w2 = weight2 if weight2.dim() == 1 else weight2.reshape(-1)
         if weight is None or split is None or w2.numel() != w.numel() or not w2.is_contiguous() \
                 or w2.device != t.device:
             return None
@@ -313,7 +353,7 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
         if f.stride()[-3:] != (4, 2, 1):
             f = f.contiguous()
     block_t = max(1, 2048 // dim)
-    grid = (triton.cdiv(tokens, block_t), batch)
+    grid = (cdiv(tokens, block_t), batch)
     values, scales = t, t
     if into is not None:
         if quantize_into is not None or into.shape != t.shape or into.dtype != t.dtype or \
@@ -326,7 +366,7 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
                 not scales.is_contiguous():
             return None
         block_t = 16   # one window of 16 rows a block: every scale of the padded tiles is written
-        grid = (triton.cdiv(tokens, PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // block_t, batch)
+        grid = (cdiv(tokens, PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // block_t, batch)
     args = (t, inv, w, w2, f, values, scales, tokens, 0.0 if head_norm_eps is None else float(head_norm_eps),
             0 if split is None else int(split), 0.0 if span_eps is None else float(span_eps),
             t.stride(0), t.stride(1), t.stride(2),
@@ -337,9 +377,28 @@ def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None
     meta = dict(HEADS=heads, DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
                 HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None,
                 QUANT=quantize_into is not None, SPAN_STATS=span_eps is not None)
+    return NormRopePass(t, grid, args, meta, reusable=into is None and quantize_into is None)
+
+
+def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
+                     weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
+                     head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
+                     split: Optional[int] = None, quantize_into: Optional[tuple] = None,
+                     span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None):
+    """`norm_rope_`'s launch, ready to be called (no arguments; nothing is done until then), or None when the
+    kernel cannot take the call. A caller with several passes checks that every one can run before it runs
+    any of them. `weight2` and `split`: the tokens from `split` on take `weight2` (laid out as `weight`)
+    instead: two adjacent streams whose norms differ only by their weights, in one pass. `quantize_into`:
+    `(int8 values, scales)` written instead of `t` (`norm_rope_quantize_per_thread`). `span_eps`: the inverse
+    RMS over every head computed in the pass (see `norm_rope_`; not with `inverse_rms`). `into`: the 16-bit
+    result written there instead of into `t` (not with `quantize_into`)."""
+    planned = norm_rope_pass(t, inverse_rms, weight, freqs, head_norm_eps, weight2, split, quantize_into, span_eps,
+                             into)
+    if planned is None:
+        return None
 
     def launch():
-        _norm_rope_kernel[grid](*args, **meta)
+        planned.run(t)
     return launch
 
 
@@ -347,12 +406,12 @@ def _dtype_runs(t: torch.Tensor) -> bool:
     """16-bit and float32 tensors; bf16 needs a GPU of compute capability 8.0 or more (its conversions)."""
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    return t.dtype != torch.bfloat16 or not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] >= 8
+    return t.dtype != torch.bfloat16 or not t.is_cuda or capability(t.device)[0] >= 8
 
 
 def _cuda_capable(t: torch.Tensor) -> bool:
     """Compute capability 7.5 or more (the kernels' targets), or the interpreter."""
-    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (7, 5)
+    return not t.is_cuda or capability(t.device) >= (7, 5)
 
 
 def _rows_contiguous(*tensors) -> bool:
@@ -377,7 +436,7 @@ def dequantize_q8_(out: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
         return False
     block_t = _block_tokens(dim, 8192)
     broadcast = values.shape[0] == 1 and batch > 1
-    grid = (triton.cdiv(tokens, block_t), heads, batch)
+    grid = (cdiv(tokens, block_t), heads, batch)
     _dequantize_q8_kernel[grid](values, scales, out, tokens,
                                 0 if broadcast else values.stride(0), values.stride(1), values.stride(2),
                                 0 if broadcast else scales.stride(0), scales.stride(1), scales.stride(2),
@@ -399,7 +458,7 @@ def merge_lse_(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_
     if dim & (dim - 1) or dim < 16 or out.numel() == 0:
         return False
     block_t = _block_tokens(dim)
-    grid = (triton.cdiv(tokens, block_t), heads, batch)
+    grid = (cdiv(tokens, block_t), heads, batch)
     _merge_lse_kernel[grid](out, lse, other, other_lse, tokens,
                             out.stride(0), out.stride(1), out.stride(2), other.stride(0), other.stride(1),
                             other.stride(2), lse.stride(0), lse.stride(1), lse.stride(2),

@@ -13,14 +13,20 @@ import torch
 import torch.nn.functional as F
 
 
+def _items(t: torch.Tensor) -> torch.Tensor:
+    """`(batch, tokens, features)`: `t` itself, or a `(tokens, features)` tensor as one batch item (a view)."""
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
 class PreparedProjection:
     """A projection ready for one layer call. Holds the input (and any cast weight) until `release()`.
 
     `rows(start, stop)` returns a new tensor `(*x.shape[:-1], stop - start)` that the caller owns.
     `rows_into(out, start, stop, token_start)` writes the same rows for the tokens
-    `[token_start, token_start + out.shape[1])` into `out` `(batch, n, stop - start)` (any strides), so a
-    caller can project the full width a chunk of tokens at a time, or straight into a buffer it already
-    has. It is cheap only where `by_tokens` is True; the default computes every token and copies.
+    `[token_start, token_start + n)` into `out` `(batch, n, stop - start)` (any strides; one batch item may
+    also come as `(n, stop - start)`), so a caller can project the full width a chunk of tokens at a time, or
+    straight into a buffer it already has. It is cheap only where `by_tokens` is True; the default computes
+    every token and copies.
     """
 
     by_tokens = False
@@ -29,7 +35,8 @@ class PreparedProjection:
         raise NotImplementedError
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
-        out.copy_(self.rows(start, stop)[:, token_start:token_start + out.shape[1]])
+        rows = self.rows(start, stop)
+        _items(out).copy_(_items(rows)[:, token_start:token_start + out.shape[-2]])
 
     def writes_into(self, batch: int) -> bool:
         """Is `rows_into` for a whole `(batch, tokens, ...)` output one launch, no more than `rows` and a copy
@@ -66,7 +73,9 @@ class WeightRows(PreparedProjection):
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  on_release: Optional[Callable[[], None]] = None):
         self.x, self.weight, self.bias, self._on_release = x, weight, bias, on_release
-        self._items = None   # x as (batch, tokens, in), made at the first `rows_into`
+        # made at the first `rows_into` (views, once a call: each is a host step per product otherwise):
+        # x as (batch, tokens, in), x's only item as (tokens, in) (one batch item), the weight transposed
+        self._items = self._item = self._weight_t = None
 
     by_tokens = True
 
@@ -79,19 +88,27 @@ class WeightRows(PreparedProjection):
         `(batch, tokens, in)` or `(tokens, in)`; `out`'s rows of each batch item are contiguous (its items may be
         apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
         it."""
-        if self._items is None:
+        if self._weight_t is None:
             self._items = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
-        x = self._items
-        if token_start != 0 or out.shape[1] != x.shape[1]:   # some tokens (a head group's rows of all: x as it is)
-            x = x[:, token_start:token_start + out.shape[1]]
-        weight_t = self.weight[start:stop].t()
+            self._item = self._items[0] if self._items.shape[0] == 1 else None
+            self._weight_t = self.weight.t()
+        weight_t = self._weight_t[:, start:stop]
         bias = None if self.bias is None else self.bias[start:stop]
-        if out.shape[0] == 1:   # F.linear's own addmm
+        tokens = out.shape[-2]
+        if out.dim() == 2 or out.shape[0] == 1:   # one item: F.linear's own addmm
+            x = self._item
+            if token_start != 0 or tokens != x.shape[0]:   # some tokens (a head group's rows of all: x as it is)
+                x = x[token_start:token_start + tokens]
+            if out.dim() == 3:
+                out = out[0]
             if bias is None:
-                torch.mm(x[0], weight_t, out=out[0])
+                torch.mm(x, weight_t, out=out)
             else:
-                torch.addmm(bias, x[0], weight_t, out=out[0])
+                torch.addmm(bias, x, weight_t, out=out)
             return
+        x = self._items
+        if token_start != 0 or tokens != x.shape[1]:
+            x = x[:, token_start:token_start + tokens]
         # one batched product over the items, written through out's batch stride (cuBLAS takes it as it is)
         weight_t = weight_t.expand(out.shape[0], -1, -1)
         if bias is None:
@@ -106,7 +123,7 @@ class WeightRows(PreparedProjection):
         return F.linear(self.x, self.weight, self.bias)
 
     def release(self) -> None:
-        self.x = self.weight = self.bias = self._items = None
+        self.x = self.weight = self.bias = self._items = self._item = self._weight_t = None
         if self._on_release is not None:
             on_release, self._on_release = self._on_release, None
             on_release()
@@ -180,9 +197,8 @@ class WholeThenSlice(PreparedProjection):
         return self._computed()[..., start:stop].clone()
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
-        whole = self._computed()
-        whole = whole if whole.dim() == 3 else whole.unsqueeze(0)
-        out.copy_(whole[:, token_start:token_start + out.shape[1], start:stop])
+        whole = _items(self._computed())
+        _items(out).copy_(whole[:, token_start:token_start + out.shape[-2], start:stop])
 
     def writes_into(self, batch: int) -> bool:
         return True   # a copy of a slice

@@ -102,19 +102,24 @@ def join_streams(streams, name: Callable[["TokenStream"], str], start: int, stop
     if len(streams) == 1:
         stream = streams[0]
         return stream.rows(name(stream), start, stop, release(stream)).unflatten(-1, (heads, head_dim))
-    joined, a = None, 0
+    first = streams[0]
+    batch = first.batch
+    joined = torch.empty((batch, total_tokens, heads, head_dim), dtype=first.dtype, device=first.device)
+    # the streams' rows, (B, tokens, heads * head_dim), or (tokens, heads * head_dim) for one batch item (a
+    # view less a product: these run at every group)
+    flat = joined.view(total_tokens, heads * head_dim) if batch == 1 else joined.flatten(2)
+    a = 0
     for stream in streams:
         which = name(stream)
-        if joined is None:
-            joined = torch.empty((stream.batch, total_tokens, heads, head_dim), dtype=stream.dtype,
-                                 device=stream.device)
-        part = joined.narrow(1, a, stream.tokens).flatten(2)   # (B, tokens of the stream, heads * head_dim)
+        b = a + stream.tokens
+        part = flat[a:b] if batch == 1 else flat[:, a:b]
         if stream.writes_into(which):
             stream.rows_into(which, part, start, stop, release=release(stream))
         else:
-            part.copy_(stream.rows(which, start, stop, release(stream)))
-        a += stream.tokens
+            (part if batch > 1 else part.unsqueeze(0)).copy_(stream.rows(which, start, stop, release(stream)))
+        a = b
         del part
+    del flat
     return joined
 
 

@@ -114,10 +114,48 @@ def test_norm_rope_kernel_two_streams_in_one_pass_in_the_interpreter():
     assert "cases 6" in run_in_interpreter(TWO_STREAMS)
 
 
+PASS_REUSE = textwrap.dedent("""
+    import gc, weakref
+    import torch
+    from qkv_core import kernels
+    assert kernels.INTERPRET and kernels.triton is not None
+    g = torch.Generator().manual_seed(2)
+    weights = [(torch.randn(32, generator=g) * 0.2 + 1) for _ in range(2)]
+    freqs = torch.randn(1, 37, 1, 16, 2, 2, generator=g)
+    first = torch.randn(2, 37, 3, 32, generator=g)
+    planned = kernels.norm_rope_pass(first, None, weights[0], freqs, 1e-6, weight2=weights[1], split=9)
+    planned.run(first)
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None                                     # the pass keeps no tensor it ran on
+    for _ in range(2):                                        # each head group's keys: new tensors, one layout
+        keys = torch.randn(2, 37, 3, 32, generator=g)
+        want = keys.clone()
+        assert kernels.norm_rope_(want[:, :9], None, weights[0], freqs[:, :9], 1e-6)
+        assert kernels.norm_rope_(want[:, 9:], None, weights[1], freqs[:, 9:], 1e-6)
+        assert planned.fits(keys)
+        planned.run(keys)
+        assert torch.equal(keys, want)
+    assert not planned.fits(torch.randn(2, 37, 4, 32))        # another layout: worked out again
+    assert not planned.fits(torch.randn(2, 37, 5, 32)[:, :, :3])
+    into = kernels.norm_rope_pass(keys, None, weights[0], freqs, 1e-6, into=torch.empty_like(keys))
+    assert into is not None and not into.fits(keys)           # a pass writing elsewhere serves its own tensor
+    print("reused")
+""")
+
+
+def test_norm_rope_pass_is_worked_out_once_for_tensors_of_one_layout_in_the_interpreter():
+    """A `NormRopePass` runs on later tensors of its layout with the numbers of a launch of their own, and
+    holds none of them."""
+    assert "reused" in run_in_interpreter(PASS_REUSE)
+
+
 def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
     if kernels.INTERPRET:
         pytest.skip("this process runs Triton's interpreter")
     assert kernels.norm_rope_launch(torch.randn(1, 8, 2, 32), freqs=torch.randn(1, 8, 1, 16, 2, 2)) is None
+    assert kernels.norm_rope_pass(torch.randn(1, 8, 2, 32), freqs=torch.randn(1, 8, 1, 16, 2, 2)) is None
 
 
 Q8_AND_MERGE = textwrap.dedent('''

@@ -84,16 +84,24 @@ def test_per_head_norm_rope_all_heads_equals_group_by_group(monkeypatch):
     env = comfy_env.pack_modules()
     attention = importlib.import_module(env.pack.__name__ + ".nodes.attention")
     kernels = attention.kernels
-    ran = []
+    ran, worked_out = [], []
 
-    def launch(t, inverse_rms=None, weight=None, freqs=None, head_norm_eps=None, weight2=None, split=None):
-        def run():
+    class Pass:   # kernels.NormRopePass with the kernel's PyTorch reference
+        def __init__(self, t, inverse_rms=None, weight=None, freqs=None, head_norm_eps=None, weight2=None,
+                     split=None):
+            worked_out.append(t.shape)
+            self.layout = (t.shape, t.stride())
+            self.arguments = (inverse_rms, weight, freqs)
+            self.options = dict(head_norm_eps=head_norm_eps, weight2=weight2, split=split)
+
+        def fits(self, t):
+            return (t.shape, t.stride()) == self.layout
+
+        def run(self, t):
             ran.append((t.shape[1], t.shape[2]))
-            t.copy_(kernels.norm_rope_reference(t, inverse_rms, weight, freqs, head_norm_eps=head_norm_eps,
-                                                weight2=weight2, split=split))
-        return run
+            t.copy_(kernels.norm_rope_reference(t, *self.arguments, **self.options))
     monkeypatch.setattr(kernels, "can_run", lambda t: True)
-    monkeypatch.setattr(kernels, "norm_rope_launch", launch)
+    monkeypatch.setattr(kernels, "norm_rope_pass", Pass)
     g = torch.Generator().manual_seed(3)
     tokens = TEXT + IMAGE
     norms = [torch.nn.RMSNorm(D, eps=1e-6) for _ in range(4)]
@@ -107,6 +115,9 @@ def test_per_head_norm_rope_all_heads_equals_group_by_group(monkeypatch):
     q = torch.randn(B, tokens, HEADS, D, generator=g)
     per_group, whole = q.clone(), q.clone()
     norm_rope = attention.PerHeadNormRope(ranges, freqs)
+    for start in range(0, HEADS, 2):
+        norm_rope(None, per_group[:, :, start:start + 2].clone(), None)   # each group's keys: a tensor of its own
+    assert worked_out == [(B, tokens, 2, D)] and len(ran) == HEADS // 2   # worked out once, run for every group
     for start in range(0, HEADS, 2):
         norm_rope(per_group[:, :, start:start + 2], None, None)
     ran.clear()
