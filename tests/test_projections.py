@@ -34,6 +34,24 @@ def test_rows_into_a_strided_token_range(bias, batch):
     assert torch.isnan(buffer[:, 10:25, :50]).all() and torch.isnan(buffer[:, 10:25, 82:]).all()
 
 
+@pytest.mark.parametrize("whole", [False, True])
+def test_rows_into_a_two_dimensional_output_of_one_batch_item(whole):
+    """One batch item's rows may come as `(tokens, features)` (the runtime's joined k and v of a group: a view
+    less a product): the same numbers, nothing else written, for a Linear and for a projection run whole."""
+    linear = make_linear(48, 96, seed=5, dtype=torch.float64)
+    x = randn(1, 40, 48, seed=6).double()
+    prepared = _prepared(linear, x)
+    if whole:
+        prepared = WholeThenSlice(prepared)
+    buffer = torch.full((40, 200), float("nan"), dtype=torch.float64)
+    view = buffer[10:25, 50:82]
+    prepared.rows_into(view, 16, 48, token_start=10)
+    torch.testing.assert_close(view, F.linear(x, linear.weight, linear.bias)[0, 10:25, 16:48], rtol=1e-12,
+                               atol=1e-12)
+    assert torch.isnan(buffer[:10]).all() and torch.isnan(buffer[25:]).all()
+    assert torch.isnan(buffer[10:25, :50]).all() and torch.isnan(buffer[10:25, 82:]).all()
+
+
 def test_rows_into_whole_then_slice_and_default():
     """A projection that runs whole (any callable) computes once and hands out token/row slices; a custom
     `PreparedProjection` with only `rows()` still gets a correct (if not cheap) `rows_into`."""

@@ -160,6 +160,71 @@ def test_the_layer_signature_tells_formats_and_layers_apart(env):
     assert env.compat.layers_signature(block) not in (before, changed_format)
 
 
+def test_one_walk_serves_a_guarded_calls_checks_and_the_parts_foreign_to_the_pack(env):
+    """`compat.module_tree`: the layer signature and the foreign-part check of one guarded call come from one
+    walk (kept for that call's checks only: a change between calls is seen), and the foreign part is the
+    first top-level part, in order, with another node's forward or module hook below or on it."""
+    import torch
+    block = comfy_env.make_wan("t2v", **MODEL).model.diffusion_model.blocks[0]
+    compat, parts = env.compat, importlib.import_module(env.pack.__name__ + ".nodes.block_parts")
+
+    def walk_by_hand(module):   # what block_parts.foreign_part did before the shared walk
+        for name, part in module.named_children():
+            for child in part.modules():
+                if compat.foreign_forward(child):
+                    return f"another node patched its {name}"
+                if child._forward_hooks or child._forward_pre_hooks:
+                    return f"another node hooks its {name}"
+        return None
+
+    assert parts.foreign_part(block) is None
+    handle = block.cross_attn.k.register_forward_hook(lambda *a: None)
+    block.ffn[2].forward = lambda x: x   # another node's forward on a later part
+    assert parts.foreign_part(block) == walk_by_hand(block) == "another node hooks its cross_attn"
+    handle.remove()
+    assert parts.foreign_part(block) == walk_by_hand(block) == "another node patched its ffn"
+    del block.ffn[2].forward
+    assert parts.foreign_part(block) is None
+    compat._local.trees = {}   # inside a guarded call's checks: one walk for both asks
+    try:
+        first = compat.module_tree(block)
+        block.self_attn.k.weight.data = block.self_attn.k.weight.data.to(torch.float16)
+        assert compat.module_tree(block) is first
+    finally:
+        compat._local.trees = None
+    assert compat.module_tree(block) is not first and compat.layers_signature(block) != first.layers
+
+
+def test_module_attr_reads_what_getattr_reads(env):
+    """The probes' attribute lookup without `Module.__getattr__`'s failed lookups gives what `getattr` gives:
+    instance attributes, parameters, buffers, submodules, class attributes, properties and methods, and the
+    default for what is missing."""
+    import torch
+    comfy_ops = importlib.import_module(env.pack.__name__ + ".nodes.comfy_ops")
+
+    class Layer(torch.nn.Linear):
+        comfy_cast_weights = False
+        weight_function = []
+
+        @property
+        def layout_type(self):
+            return "from a property"
+
+        def is_ggml_quantized(self):
+            return False
+
+    layer = Layer(4, 4)
+    layer.register_buffer("scale_weight", torch.ones(()))
+    layer.child = torch.nn.Identity()
+    layer.bias_function = [print]
+    for name in ("weight", "bias", "scale_weight", "child", "comfy_cast_weights", "weight_function",
+                 "bias_function", "layout_type", "in_features", "missing", "scale_input"):
+        assert comfy_ops.module_attr(layer, name, "default") is getattr(layer, name, "default") or \
+            comfy_ops.module_attr(layer, name, "default") == getattr(layer, name, "default"), name
+    assert comfy_ops.module_attr(layer, "is_ggml_quantized")() is False   # a bound method
+    assert comfy_ops.module_attr(None, "weight") is None
+
+
 # --- other nodes' hooks -----------------------------------------------------------------------------------
 def _hooks(torch, calls):
     def attn1(args):
