@@ -125,7 +125,8 @@ def quantized_rows_mode(linear) -> tuple[Optional[str], Optional[str]]:
     quantized_call = (module_attr(linear, "layout_type", None) is not None and
                       not module_attr(linear, "_full_precision_mm", False) and
                       not module_attr(linear, "comfy_force_cast_weights", False) and
-                      not module_attr(linear, "weight_function", None) and not module_attr(linear, "bias_function", None))
+                      not module_attr(linear, "weight_function", None) and
+                      not module_attr(linear, "bias_function", None))
     if not quantized_call:
         return "dequantized", None
     if not _QUANT_ALGOS.get(module_attr(linear, "quant_format", None), {}).get("quantize_input", True):
@@ -424,8 +425,9 @@ def row_caster(linear, x: torch.Tensor, sliceable: bool = False) -> Optional[Cal
     weight is 0.07 |x| each, and holding them put the block at 2.54 |x| (H200, fp8). `sliceable=True`: the
     caller has found `not_row_sliceable(linear)` None (not asked again)."""
     weight, bias = module_attr(linear, "weight"), module_attr(linear, "bias")
-    if (module_attr(linear, "_v", _ASK) is not _ASK or module_attr(linear, "weight_function", None) or module_attr(linear, "bias_function", None)
-            or weight is None or weight.device != x.device or (bias is not None and bias.device != x.device)):
+    if (module_attr(linear, "_v", _ASK) is not _ASK or module_attr(linear, "weight_function", None)
+            or module_attr(linear, "bias_function", None) or weight is None or weight.device != x.device
+            or (bias is not None and bias.device != x.device)):
         return None
     if dequantizes_itself(linear):
         return _gguf_row_caster(linear, x)
