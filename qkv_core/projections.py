@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 
-def _items(t: torch.Tensor) -> torch.Tensor:
+def _as_items(t: torch.Tensor) -> torch.Tensor:
     """`(batch, tokens, features)`: `t` itself, or a `(tokens, features)` tensor as one batch item (a view)."""
     return t if t.dim() == 3 else t.unsqueeze(0)
 
@@ -36,7 +36,7 @@ class PreparedProjection:
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
         rows = self.rows(start, stop)
-        _items(out).copy_(_items(rows)[:, token_start:token_start + out.shape[-2]])
+        _as_items(out).copy_(_as_items(rows)[:, token_start:token_start + out.shape[-2]])
 
     def writes_into(self, batch: int) -> bool:
         """Is `rows_into` for a whole `(batch, tokens, ...)` output one launch, no more than `rows` and a copy
@@ -89,7 +89,7 @@ class WeightRows(PreparedProjection):
         apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
         it."""
         if self._weight_t is None:
-            self._items = self.x if self.x.dim() == 3 else self.x.unsqueeze(0)
+            self._items = _as_items(self.x)
             self._item = self._items[0] if self._items.shape[0] == 1 else None
             self._weight_t = self.weight.t()
         weight_t = self._weight_t[:, start:stop]
@@ -197,8 +197,8 @@ class WholeThenSlice(PreparedProjection):
         return self._computed()[..., start:stop].clone()
 
     def rows_into(self, out: torch.Tensor, start: int, stop: int, token_start: int = 0) -> None:
-        whole = _items(self._computed())
-        _items(out).copy_(whole[:, token_start:token_start + out.shape[-2], start:stop])
+        whole = _as_items(self._computed())
+        _as_items(out).copy_(whole[:, token_start:token_start + out.shape[-2], start:stop])
 
     def writes_into(self, batch: int) -> bool:
         return True   # a copy of a slice
