@@ -271,7 +271,7 @@ env.core.head_split.SPLIT_FLOOR_TOKENS = 0   # as conftest.py does for the tests
 kernels = env.core.kernels
 assert kernels.INTERPRET and kernels.triton is not None
 fused = []
-for name in ("norm_rope_", "norm_rope_launch"):   # every entry point of the fused kernel
+for name in ("norm_rope_", "norm_rope_launch", "norm_rope_pass"):   # every entry point of the fused kernel
     if hasattr(kernels, name):
         def spy(*args, _real=getattr(kernels, name), **kwargs):
             fused.append(_real(*args, **kwargs))
