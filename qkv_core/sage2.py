@@ -53,10 +53,6 @@ FP8_MAX = 448.0
 NHD, NOT_CAUSAL, PER_THREAD = 0, 0, 3      # the CUDA kernel's codes for layout, causality and scale granularity
 
 
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
@@ -100,10 +96,10 @@ def quantize_per_thread(x: torch.Tensor, which: str, tiles: tuple = SM90_TILES) 
     values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     if which == "q":
         kernel, block, count = quant_query_per_thread_int8_kernel, q_warp, \
-            _ceil(tokens, q_block) * (q_block // q_warp) * Q_SCALES_PER_WARP
+            kernels.cdiv(tokens, q_block) * (q_block // q_warp) * Q_SCALES_PER_WARP
     else:
         kernel, block, count = quant_key_per_thread_int8_kernel, k_warp, \
-            _ceil(tokens, k_block) * (k_block // k_warp) * K_SCALES_PER_TILE
+            kernels.cdiv(tokens, k_block) * (k_block // k_warp) * K_SCALES_PER_TILE
     scales = torch.empty((batch, heads, count), dtype=torch.float32, device=x.device)
     kernel[(count, heads, batch)](x, values, scales, tokens, x.stride(0), x.stride(2), x.stride(1),
                                   values.stride(0), values.stride(2), values.stride(1),
@@ -118,8 +114,8 @@ def quantize_v_fp8(v_list: list) -> tuple[torch.Tensor, torch.Tensor]:
     v = v_list.pop()
     v_list.clear()
     batch, tokens, heads, dim = v.shape
-    padded = _ceil(tokens, CTA_K) * CTA_K
-    if padded != _ceil(tokens, 64) * 64:
+    padded = kernels.cdiv(tokens, CTA_K) * CTA_K
+    if padded != kernels.cdiv(tokens, 64) * 64:
         # the transposing kernel pads to 64 tokens, the attention reads 128 at a time: give it the zero rows
         v = torch.cat([v, v.new_zeros(batch, padded - tokens, heads, dim)], dim=1)
     transposed = torch.empty((batch, dim, heads, padded), dtype=v.dtype, device=v.device)
@@ -219,7 +215,7 @@ class Sage2Core(StagedCore):
     def empty_quantized_q(self, q_shape, settings):
         """int8 `(B, N, heads, D)` and float32 per-thread scales `(B, heads, ceil(N / 64) * 32)`, uninitialized."""
         batch, tokens, heads, _ = q_shape
-        scales = _ceil(tokens, CTA_Q) * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
+        scales = kernels.cdiv(tokens, CTA_Q) * (CTA_Q // WARP_Q) * Q_SCALES_PER_WARP
         return (torch.empty(tuple(q_shape), dtype=torch.int8, device=settings.device),
                 torch.empty((batch, heads, scales), dtype=torch.float32, device=settings.device), None)
 
@@ -350,7 +346,7 @@ def _triton_attention(out, q, q_scale, k, k_scale, v, mask, lse: bool) -> Option
     else:
         mask_strides = (0, 0, 0, 0)
     result = torch.empty((batch, heads, q_tokens) if lse else (0,), dtype=torch.float32, device=q.device)
-    _attn_fwd[(_ceil(q_tokens, TRITON_Q_BLOCK), heads, batch)](
+    _attn_fwd[(kernels.cdiv(q_tokens, TRITON_Q_BLOCK), heads, batch)](
         q, k, v, q_scale, k_scale, out, mask, result,
         q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1),
         v.stride(0), v.stride(2), v.stride(1), out.stride(0), out.stride(2), out.stride(1),
