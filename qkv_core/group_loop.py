@@ -21,7 +21,7 @@ import torch
 
 from .backends import AttentionBackend, SDPABackend, StagedCore, held_sdpa_order, pay_attention
 from .head_split import HeadGroup
-from .inplace_attention import attend_over_queries_
+from .inplace_attention import OverQueriesPass, over_queries_pass
 from .options import AttentionOptions
 from .capture import KVCapture
 from .prefix import KVPrefix
@@ -58,6 +58,8 @@ class GroupLoop:
         # each group's attention written over its q in the output buffer (`inplace_attention`): the call decides it
         # (`_Call.over_queries`: plain SDPA, no mask, short), the kernel may still decline a group (then SDPA)
         self.over_queries = over_queries
+        # the kernel's launch, worked out at the first group and kept for the next groups of its layout
+        self._over_queries_pass: Optional[OverQueriesPass] = None
         self.capture = capture   # `capture_kv`: each group's normalized keys and values of the range
         s = streams
         self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
@@ -79,11 +81,19 @@ class GroupLoop:
         # a fused quantizer normalizes q itself
         q_normed = q_in_out and (staged is None or self.o.fused_quant is None) and self.normalize_all_queries(out)
         s = self.streams
+        # each group's k and v go to the norm and a backend, which keep neither once their work is queued: the
+        # next group may project into the same buffers (`CallStreams.buffers`); not where a caller's function,
+        # a capture or a staged core gets them
+        reuse = staged is None and self.o.attention_fn is None and self.capture is None and len(groups) > 1
         with contextlib.ExitStack() as held:
             if staged is None and self.o.attention_fn is None and len(groups) > 1 and \
                     isinstance(self.backend, SDPABackend) and not self.over_queries:
                 held.enter_context(held_sdpa_order(s.device, s.batch * s.q_tokens * len(groups[0].q) * s.head_dim))
-            return self._run_groups(groups, out, staged, q_in_out, q_normed, single)
+            s.buffers = {} if reuse else None
+            try:
+                return self._run_groups(groups, out, staged, q_in_out, q_normed, single)
+            finally:
+                s.buffers = None
 
     def _run_groups(self, groups: list[HeadGroup], out: Optional[torch.Tensor], staged: Optional[StagedCore],
                     q_in_out: bool, q_normed: bool, single: bool) -> torch.Tensor:
@@ -162,7 +172,7 @@ class GroupLoop:
             del q, k, v, extra
             result = o.attention_fn(qkv, group)
             qkv.clear()
-        elif self.over_queries and q_in_out and attend_over_queries_(q, k, v, o.softmax_scale):
+        elif self.over_queries and q_in_out and self.attend_over_queries_(q, k, v):
             del q, k, v, extra
             count_attention(OVER_QUERIES_LABEL)
             return None
@@ -172,6 +182,17 @@ class GroupLoop:
                                    force_attention=self.backend.name, softmax_scale=o.softmax_scale)
             del q, k, v
         return result
+
+    def attend_over_queries_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """`inplace_attention.attend_over_queries_` with the launch worked out once for the call's groups of
+        one layout (`OverQueriesPass`); False (q untouched) where the kernel cannot take them."""
+        planned = self._over_queries_pass
+        if planned is None or not planned.fits(q, k, v):
+            planned = self._over_queries_pass = over_queries_pass(q, k, v, self.o.softmax_scale)
+            if planned is None:
+                return False
+        planned.run(q, k, v)
+        return True
 
     def attend_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool, q_in_out: bool,
                       q_normed: bool) -> None:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from .kernels import capability, cdiv, runs_on, triton
+from .launch import CompiledLaunch
 
 if triton is not None:
     import triton.language as tl
@@ -140,24 +141,61 @@ def cannot_attend_over_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return None
 
 
+class OverQueriesPass:
+    """`attend_over_queries_` worked out for q, k and v of one layout (shapes, strides, dtype, device) and one
+    softmax scale (`over_queries_pass`): `run(q, k, v)` attends such tensors, so a call's head groups (each
+    group's q a view of the output buffer, its own k and v, all laid out alike) check and set up the launch once.
+    Holds no tensor it ran on."""
+
+    __slots__ = ("_layout", "_fixed", "_launch")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        batch, q_tokens, heads, dim = q.shape
+        interpreted = q.device.type == "cpu"
+        block_m, block_n, warps, stages = _INTERPRET_CONFIG if interpreted else _CONFIGS[dim]
+        self._layout = _layout(q, k, v)
+        self._fixed = (q_tokens, k.shape[1], scale * math.log2(math.e), q.stride(0), q.stride(1), q.stride(2),
+                       k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads)
+        meta = dict(GROUP=heads // k.shape[2], DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted,
+                    WHOLE_BLOCKS=k.shape[1] // block_n if interpreted else 0, num_warps=warps, num_stages=stages)
+        # the launches after the first call the compiled kernel's launcher (`launch.CompiledLaunch`)
+        self._launch = CompiledLaunch(_attention_over_q_kernel, (cdiv(q_tokens, block_m), batch * heads), meta)
+
+    def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Can `run` take these (this pass's layout)?"""
+        return _layout(q, k, v) == self._layout
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """softmax(q k^T * scale) v written over `q` (tensors this pass `fits`)."""
+        self._launch.launch((q, k, v) + self._fixed)
+
+
+def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, k.device,
+            v.device)
+
+
+def over_queries_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      softmax_scale: Optional[float] = None) -> Optional[OverQueriesPass]:
+    """The kernel's launch for tensors laid out as q, k, v (see `attend_over_queries_`), or None where
+    `cannot_attend_over_queries` gives a reason."""
+    if cannot_attend_over_queries(q, k, v) is not None:
+        return None
+    scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
+    return OverQueriesPass(q, k, v, scale)
+
+
 def attend_over_queries_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          softmax_scale: Optional[float] = None) -> bool:
     """softmax(q k^T * scale) v written over `q` `(B, Nq, h, D)`; k, v `(B, Nk, hk, D)`. `softmax_scale`:
-    default 1 / sqrt(D). False (q untouched) where `cannot_attend_over_queries` gives a reason."""
-    if cannot_attend_over_queries(q, k, v) is not None:
+    default 1 / sqrt(D). False (q untouched) where `cannot_attend_over_queries` gives a reason. (A caller with
+    several groups of one layout keeps an `over_queries_pass` instead.)"""
+    planned = over_queries_pass(q, k, v, softmax_scale)
+    if planned is None:
         return False
-    batch, q_tokens, heads, dim = q.shape
-    scale = 1.0 / math.sqrt(dim) if softmax_scale is None else float(softmax_scale)
-    interpreted = q.device.type == "cpu"
-    block_m, block_n, warps, stages = _INTERPRET_CONFIG if interpreted else _CONFIGS[dim]
-    grid = (cdiv(q_tokens, block_m), batch * heads)
-    _attention_over_q_kernel[grid](q, k, v, q_tokens, k.shape[1], scale * math.log2(math.e),
-                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                                   v.stride(0), v.stride(1), v.stride(2), heads,
-                                   GROUP=heads // k.shape[2], DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                                   UPCAST=interpreted, WHOLE_BLOCKS=k.shape[1] // block_n if interpreted else 0,
-                                   num_warps=warps, num_stages=stages)
+    planned.run(q, k, v)
     return True
 
 
-__all__ = ["attend_over_queries_", "cannot_attend_over_queries", "declines"]
+__all__ = ["attend_over_queries_", "cannot_attend_over_queries", "declines", "over_queries_pass",
+           "OverQueriesPass"]

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from .launch import CompiledLaunch
+
 try:  # Triton is optional: ComfyUI installs on Windows and Macs often have none
     import triton
     import triton.language as tl
@@ -293,13 +295,14 @@ class NormRopePass:
     next tensor of that layout (each head group's keys): the checks and arguments are worked out once. A pass
     that writes elsewhere (`into`, `quantize_into`) serves its own tensor only (`fits` is False)."""
 
-    __slots__ = ("_grid", "_args", "_meta", "_slots", "_layout")
+    __slots__ = ("_args", "_slots", "_layout", "_launch")
 
     def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool):
         self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
         self._args = tuple(None if arg is t else arg for arg in args)
-        self._grid, self._meta = grid, meta
         self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
+        # the launches after the first call the compiled kernel's launcher (`launch.CompiledLaunch`)
+        self._launch = CompiledLaunch(_norm_rope_kernel, grid, meta)
 
     def fits(self, t: torch.Tensor) -> bool:
         """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""
@@ -310,7 +313,7 @@ class NormRopePass:
         args = list(self._args)
         for index in self._slots:
             args[index] = t
-        _norm_rope_kernel[self._grid](*args, **self._meta)
+        self._launch.launch(args)
 
 
 def norm_rope_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,

@@ -92,35 +92,51 @@ class TokenStream:
 
 def join_streams(streams, name: Callable[["TokenStream"], str], start: int, stop: int,
                  release: Callable[["TokenStream"], bool], total_tokens: int, heads: int,
-                 head_dim: int) -> torch.Tensor:
+                 head_dim: int, kept: Optional[dict] = None) -> torch.Tensor:
     """Output features `[start, stop)` (`heads * head_dim` of them) of projection `name(stream)` of each stream,
     joined along tokens in their order: `(B, total_tokens, heads, head_dim)`, a new tensor; `release(stream)`:
     that stream's projection is released afterwards. A single stream is returned as projected (no copy); several
     are projected straight into their tokens of the joined tensor where that is one launch (`writes_into`: no
     temporary of a stream's size, no copy), else projected and copied in. (A prefix is joined later, after the
-    norms: `prefix_join.join_prefix`.)"""
+    norms: `prefix_join.join_prefix`.)
+
+    `kept`: a dict of the call's joined buffers (`CallStreams.buffers`): the buffer of these projections and
+    this many heads is reused, with the views of each stream's tokens, instead of allocated and cut again (the
+    caller drops the previous one before it asks again: each group's k and v, once its attention is queued)."""
     if len(streams) == 1:
         stream = streams[0]
         return stream.rows(name(stream), start, stop, release(stream)).unflatten(-1, (heads, head_dim))
+    names = tuple(name(stream) for stream in streams)
+    found = None if kept is None else kept.get((names, heads))
+    if found is None:
+        found = _joined_buffer(streams, names, total_tokens, heads, head_dim)
+        if kept is not None:
+            kept[(names, heads)] = found
+    joined, parts = found
+    for stream, which, part, writes in parts:
+        if writes:
+            stream.rows_into(which, part, start, stop, release=release(stream))
+        else:
+            (part if part.dim() == 3 else part.unsqueeze(0)).copy_(stream.rows(which, start, stop,
+                                                                             release(stream)))
+    return joined
+
+
+def _joined_buffer(streams, names: tuple, total_tokens: int, heads: int, head_dim: int) -> tuple:
+    """`(joined, parts)`: a new `(B, total_tokens, heads, head_dim)` buffer and, for each stream, `(stream, its
+    projection's name, its rows of the buffer, whether the projection writes into them in one launch)`; rows
+    are `(B, tokens, heads * head_dim)`, or `(tokens, heads * head_dim)` for one batch item (a view less a
+    product)."""
     first = streams[0]
     batch = first.batch
     joined = torch.empty((batch, total_tokens, heads, head_dim), dtype=first.dtype, device=first.device)
-    # the streams' rows, (B, tokens, heads * head_dim), or (tokens, heads * head_dim) for one batch item (a
-    # view less a product: these run at every group)
     flat = joined.view(total_tokens, heads * head_dim) if batch == 1 else joined.flatten(2)
-    a = 0
-    for stream in streams:
-        which = name(stream)
+    parts, a = [], 0
+    for stream, which in zip(streams, names):
         b = a + stream.tokens
-        part = flat[a:b] if batch == 1 else flat[:, a:b]
-        if stream.writes_into(which):
-            stream.rows_into(which, part, start, stop, release=release(stream))
-        else:
-            (part if batch > 1 else part.unsqueeze(0)).copy_(stream.rows(which, start, stop, release(stream)))
+        parts.append((stream, which, flat[a:b] if batch == 1 else flat[:, a:b], stream.writes_into(which)))
         a = b
-        del part
-    del flat
-    return joined
+    return joined, parts
 
 
 class CallStreams:
@@ -144,6 +160,9 @@ class CallStreams:
         self.kv_tokens = sum(s.tokens for s in kv_streams)
         # one module for k and v in every key/value stream: each group projects it once (v is a copy of k)
         self.shared_kv = all(s.shared_kv for s in kv_streams)
+        # the joined k and v buffers of the groups, reused from one group to the next (`join_streams`' `kept`),
+        # where the group loop sets a dict: it hands each group's k and v to nothing that keeps them
+        self.buffers: Optional[dict] = None
 
     def prepare(self, groups: int = 1) -> None:
         """Prepare every stream's projections; the streams drop their inputs. With more than one head group,
@@ -158,6 +177,7 @@ class CallStreams:
 
     def release(self) -> None:
         """Release every projection and input (the end of the call, or a call that stops early)."""
+        self.buffers = None
         for stream in self.all_streams:
             stream.release()
 
@@ -199,7 +219,7 @@ class CallStreams:
         d = self.head_dim
         a, b = group.kv.start * d, group.kv.stop * d
         return join_streams(self.kv_streams, lambda s: "k", a, b, lambda s: last and not (s.shared_kv and v_later),
-                            self.kv_tokens, len(group.kv), d)
+                            self.kv_tokens, len(group.kv), d, self.buffers)
 
     def project_v(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor],
                                                                             torch.Tensor]:
@@ -215,5 +235,5 @@ class CallStreams:
             return k, k.clone()
         # a stream whose k and v share one module (beside others that do not) projects it twice here
         v = join_streams(self.kv_streams, lambda s: "k" if s.shared_kv else "v", a, b,
-                         lambda s: last and not (s.shared_kv and k_later), self.kv_tokens, hk, d)
+                         lambda s: last and not (s.shared_kv and k_later), self.kv_tokens, hk, d, self.buffers)
         return None, v

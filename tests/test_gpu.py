@@ -158,3 +158,41 @@ def test_attention_over_queries_on_cuda():
     assert sdpa_tally.splits == {8: 1}
     assert float((over - sdpa).abs().max()) <= 2e-2 * float(sdpa.abs().max())
     assert over_peak < sdpa_peak, (over_peak / x.nbytes, sdpa_peak / x.nbytes)
+
+
+def test_repeated_launches_go_straight_to_the_compiled_launcher():
+    """`launch.CompiledLaunch` (the norm pass and the attention over queries of every head group after the
+    first): the later launches call the compiled kernel's launcher (the Triton versions CI and users run lay its
+    arguments out as the kernel's parameters) and give Triton's own launch's numbers bitwise, on views at other
+    offsets of one buffer; a tensor aligned otherwise goes back through Triton."""
+    from qkv_core import inplace_attention, kernels
+    if kernels.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    buffer = torch.randn(1, 1000, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    planned = inplace_attention.over_queries_pass(buffer[:, :, 0:4], k, v)
+    by_triton = buffer.clone()
+    for start in range(0, 24, 4):   # each group through Triton's own launch
+        assert inplace_attention.attend_over_queries_(by_triton[:, :, start:start + 4], k, v)
+    for start in range(0, 24, 4):
+        assert planned.fits(buffer[:, :, start:start + 4], k, v)
+        planned.run(buffer[:, :, start:start + 4], k, v)
+    assert planned._launch.direct == 5
+    assert torch.equal(buffer, by_triton)
+    weight = torch.randn(128, device="cuda", dtype=torch.bfloat16, generator=g)
+    freqs = torch.randn(1, 1000, 1, 64, 2, 2, device="cuda", generator=g)
+    keys = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = keys.clone()
+    assert kernels.norm_rope_(want, None, weight, freqs, head_norm_eps=1e-6)
+    norm = kernels.norm_rope_pass(keys, None, weight, freqs, head_norm_eps=1e-6)
+    first, second = keys.clone(), keys.clone()
+    norm.run(first)
+    norm.run(second)
+    assert norm._launch.direct == 1 and torch.equal(first, want) and torch.equal(second, want)
+    odd = torch.empty(keys.numel() + 1, device="cuda", dtype=keys.dtype)[1:].view(keys.shape)   # 2 bytes off
+    odd.copy_(keys)
+    assert norm.fits(odd)
+    norm.run(odd)
+    assert norm._launch.direct == 1   # through Triton (its own specialization: not bitwise the aligned one's)
+    assert float((odd.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())

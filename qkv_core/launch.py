@@ -1,0 +1,119 @@
+"""Repeated Triton launches with less host time (SPEC §1.5: a head group's launches are host-bound at short lengths).
+
+`kernel[grid](*args, **meta)` binds every argument, builds the specialization key, looks the compiled kernel up
+and then calls its launcher: about 18 µs of host time on an H200's host, where the launcher alone takes about 6
+(measured with `.device`-style microbenchmarks, docs/benchmarks.md). A head group's norm pass and attention are
+launched once per group with the same arguments but their tensors, so `CompiledLaunch` launches through Triton's
+own path once, keeps the compiled kernel it returns, and calls that kernel's launcher directly afterwards.
+
+Only where that is what Triton itself would do:
+- the compiled kernel's launcher is built from its `src.signature`, one entry per kernel parameter by name
+  (constexprs included, as Triton 3.2+ lays it out): the arguments are passed in that order, by those names;
+  any other layout (older Triton, the interpreter, an unknown object) keeps Triton's path for every launch;
+- no launch hook is set (a profiler such as proton): with one, Triton's path (it calls the hooks);
+- the same current CUDA device as the first launch (a compiled kernel belongs to one device's context);
+- each tensor argument as aligned (16 bytes or not) as the first launch's: Triton specializes on it.
+The caller promises the rest: the same non-tensor arguments, tensors of the same dtypes (both fixed per
+`CompiledLaunch`; the callers check their tensors' layout before they launch).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+try:
+    import triton
+    from triton.runtime import driver as _driver
+except Exception:  # noqa: BLE001 - Triton is optional, and a broken install must not break the pack
+    triton = _driver = None
+
+try:
+    from triton import knobs as _knobs   # Triton 3.4+: the launch hooks live here
+except Exception:  # noqa: BLE001  # pragma: no cover - older Triton
+    _knobs = None
+
+
+def _hooks() -> tuple:
+    """Triton's launch enter and exit hooks (None or an empty chain where nothing is hooked)."""
+    if _knobs is not None:
+        return _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    compiled = getattr(getattr(triton, "compiler", None), "CompiledKernel", None)
+    return getattr(compiled, "launch_enter_hook", None), getattr(compiled, "launch_exit_hook", None)
+
+
+def _hooked(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)   # Triton 3.5+: a HookChain, empty unless something is hooked
+    return calls is None or len(calls) > 0
+
+
+def _aligned(arg) -> Optional[bool]:
+    return arg.data_ptr() % 16 == 0 if isinstance(arg, torch.Tensor) else None
+
+
+class CompiledLaunch:
+    """Launches of one `@triton.jit` kernel over one grid with one set of meta-parameters (`meta`: its
+    constexprs by name, and `num_warps` / `num_stages`). `launch(args)`: the kernel's positional arguments,
+    tensors included; every launch passes the same non-tensor values and tensors of the same dtypes. The first
+    launch goes through Triton (compiling if needed); later ones call the compiled kernel's launcher where the
+    module docstring says that is safe, else Triton again. Holds no tensor of a launch (its arguments are
+    only kept as the non-tensor values and the tensor slots' alignment)."""
+
+    __slots__ = ("_kernel", "_grid", "_meta", "_compiled", "_order", "_device", "_alignment", "direct")
+
+    def __init__(self, kernel, grid: Sequence[int], meta: dict):
+        self._kernel, self._meta = kernel, meta
+        self._grid = (tuple(grid) + (1, 1))[:3]
+        self._compiled = self._order = self._device = self._alignment = None
+        self.direct = 0   # launches that went straight to the launcher (the tests read it)
+
+    def launch(self, args: Sequence[Any]) -> None:
+        if self._compiled is not None and self._direct_launch(args):
+            return
+        compiled = self._kernel[self._grid](*args, **self._meta)
+        if self._compiled is None:
+            self._learn(compiled, args)
+
+    def _learn(self, compiled, args: Sequence[Any]) -> None:
+        """Keep `compiled` (what the first launch returned) and the launcher's argument order, where the module
+        docstring's conditions hold; else every launch stays on Triton's path."""
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        names = getattr(self._kernel, "arg_names", None)
+        if _driver is None or not isinstance(signature, dict) or names is None or \
+                not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return
+        values = dict(zip(names, args))
+        values.update((name, value) for name, value in self._meta.items() if name in names)
+        if len(values) != len(names) or list(signature) != list(names):
+            return   # the launcher's arguments are not one per parameter, in the kernel's order
+        # positions in `args` (ints) or fixed values (a one-tuple) in the launcher's order
+        position = {name: index for index, name in enumerate(names[:len(args)])}
+        self._order = tuple(position[name] if name in position else (values[name],) for name in signature)
+        try:
+            self._device = _driver.active.get_current_device()
+        except Exception:  # noqa: BLE001 - no active driver: Triton's path, which knows what to do
+            return
+        self._alignment = tuple(_aligned(arg) for arg in args)
+        self._compiled = compiled
+
+    def _direct_launch(self, args: Sequence[Any]) -> bool:
+        enter, exit_ = _hooks()
+        if _hooked(enter) or _hooked(exit_):
+            return False
+        active = _driver.active
+        device = active.get_current_device()
+        if device != self._device or len(args) != len(self._alignment):
+            return False
+        for arg, aligned in zip(args, self._alignment):
+            if aligned is not None and _aligned(arg) != aligned:
+                return False
+        compiled, (x, y, z) = self._compiled, self._grid
+        compiled.run(x, y, z, active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
+                     enter, exit_, *[args[i] if type(i) is int else i[0] for i in self._order])
+        self.direct += 1
+        return True
+
+
+__all__ = ["CompiledLaunch"]

@@ -1,0 +1,107 @@
+"""`launch.CompiledLaunch` without a GPU: a stand-in kernel records whether each launch went through Triton's
+`kernel[grid](...)` or straight to the compiled kernel's launcher, and with which arguments. (On a GPU,
+`tests/test_gpu.py` checks the real launcher's numbers against Triton's own launch.)"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from qkv_core import launch
+
+
+class Compiled:
+    """A compiled kernel as Triton 3.2+ returns it: its launcher's signature names every parameter."""
+
+    def __init__(self, names, log):
+        self.src = types.SimpleNamespace(signature={name: "i32" for name in names})
+        self.function, self.packed_metadata, self.log = "function", "metadata", log
+
+    def run(self, x, y, z, stream, function, metadata, launch_metadata, enter, exit_, *args):
+        assert (function, metadata, launch_metadata) == ("function", "metadata", None)
+        self.log.append(("direct", (x, y, z), stream, args))
+
+
+class Kernel:
+    """A `@triton.jit` kernel `(x_ptr, n, BLOCK: constexpr)`."""
+    arg_names = ["x_ptr", "n", "BLOCK"]
+
+    def __init__(self, signature=None):
+        self.log = []
+        self.compiled = Compiled(signature or self.arg_names, self.log)
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("triton", grid, args, meta))
+            return self.compiled
+        return run
+
+
+class Driver:
+    def __init__(self):
+        self.device = 0
+        self.active = self
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    fake = Driver()
+    monkeypatch.setattr(launch, "_driver", fake)
+    monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    return fake
+
+
+def test_later_launches_call_the_launcher_with_every_parameter_in_order(driver):
+    kernel = Kernel()
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64, num_warps=4))
+    a, b = torch.zeros(8), torch.zeros(8)
+    planned.launch((a, 8))
+    planned.launch((b, 8))
+    assert kernel.log[0] == ("triton", (4, 1, 1), (a, 8), dict(BLOCK=64, num_warps=4))
+    kind, grid, stream, args = kernel.log[1]
+    assert (kind, grid, stream, args[1:]) == ("direct", (4, 1, 1), 1000, (8, 64)) and args[0] is b
+    assert planned.direct == 1
+
+
+def test_other_launcher_layouts_hooks_devices_and_alignments_go_through_triton(driver, monkeypatch):
+    # a launcher without the constexprs (older Triton): never called directly
+    kernel = Kernel(signature=["x_ptr", "n"])
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+    for _ in range(3):
+        planned.launch((torch.zeros(8), 8))
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 3 and planned.direct == 0
+    # an interpreter (or anything that is not a compiled kernel) returned by the first launch
+    kernel = Kernel()
+    kernel.compiled = None
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+    planned.launch((torch.zeros(8), 8))
+    planned.launch((torch.zeros(8), 8))
+    assert planned.direct == 0
+    kernel = Kernel()
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+    planned.launch((torch.zeros(8), 8))
+    # a tensor two bytes off the first one's 16-byte alignment: Triton compiles another specialization
+    planned.launch((torch.zeros(9, dtype=torch.bfloat16)[1:], 8))
+    # another current device: the compiled kernel belongs to the first one's context
+    driver.device = 1
+    planned.launch((torch.zeros(8), 8))
+    driver.device = 0
+    # a launch hook (a profiler): Triton calls it
+    monkeypatch.setattr(launch, "_hooks", lambda: (print, None))
+    planned.launch((torch.zeros(8), 8))
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 4 and planned.direct == 0
+    monkeypatch.setattr(launch, "_hooks", lambda: (types.SimpleNamespace(calls=[]), None))   # an empty chain
+    planned.launch((torch.zeros(8), 8))
+    assert kernel.log[-1][0] == "direct" and planned.direct == 1
+
+
+def test_triton_hook_chains():
+    assert not launch._hooked(None) and not launch._hooked(types.SimpleNamespace(calls=[]))
+    assert launch._hooked(print) and launch._hooked(types.SimpleNamespace(calls=[print]))
