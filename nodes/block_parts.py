@@ -141,14 +141,28 @@ def modulated_layer_norm(norm, x: torch.Tensor, shift: Optional[torch.Tensor],
     then the modulation). It rounds once, where the two steps round the norm's output first: within a rounding
     of `x`'s dtype of their result. `F.layer_norm` holds nothing of x's size but its output, so a whole
     stream needs no token chunks."""
+    planned = modulated_layer_norm_args(norm, x, shift, scale_plus_one)
+    return None if planned is None else run_modulated_layer_norm(x, planned)
+
+
+def modulated_layer_norm_args(norm, x: torch.Tensor, shift: Optional[torch.Tensor],
+                              scale_plus_one: Optional[torch.Tensor]) -> Optional[tuple]:
+    """`modulated_layer_norm`'s checks: the arguments of its `F.layer_norm` for tensors of `x`'s width, dtype
+    and device, or None where it does not apply. (A caller with several token chunks checks once and runs
+    `run_modulated_layer_norm` on each.)"""
     eps = plain_layer_norm_eps(norm)
     width = x.shape[-1]
     if eps is None or shift is None or scale_plus_one is None or \
             any(t.numel() != width or t.shape[-1] != width or t.dtype != x.dtype or t.device != x.device
                 for t in (shift, scale_plus_one)):
         return None
+    return (width,), scale_plus_one.reshape(width), shift.reshape(width), eps
+
+
+def run_modulated_layer_norm(x: torch.Tensor, planned: tuple) -> torch.Tensor:
+    """`modulated_layer_norm` of `x` with the arguments `modulated_layer_norm_args` gave for its kind of tensor."""
     run_every_op()
-    return torch.nn.functional.layer_norm(x, (width,), scale_plus_one.reshape(width), shift.reshape(width), eps)
+    return torch.nn.functional.layer_norm(x, *planned)
 
 
 def mlp_residual_(residual: torch.Tensor, mlp, mlp_input: Callable[[int, int], torch.Tensor],
@@ -221,5 +235,5 @@ def foreign_part(block) -> Optional[str]:
     return compat.module_tree(block).foreign
 
 
-__all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "projection_residual_", "output_projection_", "foreign_part",
+__all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "modulated_layer_norm_args", "run_modulated_layer_norm", "projection_residual_", "output_projection_", "foreign_part",
            "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE", "chunk_scale", "SWIGLU", "silu_gate_"]

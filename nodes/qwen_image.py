@@ -28,7 +28,8 @@ import comfy.ldm.qwen_image.model as qwen_model
 
 from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
-from .block_parts import chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm, projection_residual_
+from .block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
+                          run_modulated_layer_norm)
 from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
 from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
@@ -205,6 +206,7 @@ class ChunkModulation:
     def __init__(self, block, mod: torch.Tensor, zero_from: Optional[int]):
         self.block, self.mod, self.zero_from = block, mod, zero_from
         self.shift = self.scale = None
+        self._fused_for = self._fused_args = None   # (norm, dtype, device, width) -> its `fused` arguments
         if zero_from is None and getattr(type(block), "_modulate", None) is STOCK_MODULATE:
             shift, scale, _ = torch.chunk(mod, 3, dim=-1)
             self.shift, self.scale = shift.unsqueeze(1), 1 + scale.unsqueeze(1)
@@ -216,8 +218,14 @@ class ChunkModulation:
 
     def fused(self, norm, x: torch.Tensor) -> Optional[torch.Tensor]:
         """The modulation of `norm(x)` in one launch where the norm is a plain LayerNorm and one item's
-        modulation serves every token (`block_parts.modulated_layer_norm`), else None."""
-        return modulated_layer_norm(norm, x, self.shift, self.scale) if self.shift is not None else None
+        modulation serves every token (`block_parts.modulated_layer_norm`), else None. Checked once for the
+        chunks of one norm and kind of tensor."""
+        if self.shift is None:
+            return None
+        key = (norm, x.dtype, x.device, x.shape[-1])
+        if self._fused_for != key:
+            self._fused_for, self._fused_args = key, modulated_layer_norm_args(norm, x, self.shift, self.scale)
+        return None if self._fused_args is None else run_modulated_layer_norm(x, self._fused_args)
 
     def of(self, norm, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
         """The modulation of `norm(x)`, `x` the chunk [a, b) of the stream: `fused`, else the norm, then

@@ -147,8 +147,7 @@ class GroupLoop:
         head's q was normalized at once before the groups, `normalize_all_queries`)."""
         o, s = self.o, self.streams
         norm = self.norm_rope
-        heads = slice(group.q.start, group.q.stop)
-        q = out[:, :, heads] if q_in_out else s.project("q", group.q, last)
+        q = out.narrow(2, group.q.start, len(group.q)) if q_in_out else s.project("q", group.q, last)
         if norm is not None and not (q_in_out and q_normed):
             norm(q, None, group)
         if s.shared_kv:

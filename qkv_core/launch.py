@@ -8,7 +8,8 @@ own path once, keeps the compiled kernel it returns, and calls that kernel's lau
 
 Only where that is what Triton itself would do:
 - the compiled kernel's launcher is built from its `src.signature`, one entry per kernel parameter by name
-  (constexprs included, as Triton 3.2+ lays it out): the arguments are passed in that order, by those names;
+  (constexprs included, as Triton 3.2+ lays it out): the positional arguments, then the other parameters'
+  values from `meta` in the kernel's order, as `JITFunction.run` passes them;
   any other layout (older Triton, the interpreter, an unknown object) keeps Triton's path for every launch;
 - no launch hook is set (a profiler such as proton): with one, Triton's path (it calls the hooks);
 - the same current CUDA device as the first launch (a compiled kernel belongs to one device's context);
@@ -61,12 +62,13 @@ class CompiledLaunch:
     module docstring says that is safe, else Triton again. Holds no tensor of a launch (its arguments are
     only kept as the non-tensor values and the tensor slots' alignment)."""
 
-    __slots__ = ("_kernel", "_grid", "_meta", "_compiled", "_order", "_device", "_alignment", "direct")
+    __slots__ = ("_kernel", "_grid", "_meta", "_compiled", "_tail", "_device", "_alignment", "_count",
+                 "direct")
 
     def __init__(self, kernel, grid: Sequence[int], meta: dict):
         self._kernel, self._meta = kernel, meta
         self._grid = (tuple(grid) + (1, 1))[:3]
-        self._compiled = self._order = self._device = self._alignment = None
+        self._compiled = self._tail = self._device = self._alignment = self._count = None
         self.direct = 0   # launches that went straight to the launcher (the tests read it)
 
     def launch(self, args: Sequence[Any]) -> None:
@@ -84,18 +86,17 @@ class CompiledLaunch:
         if _driver is None or not isinstance(signature, dict) or names is None or \
                 not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             return
-        values = dict(zip(names, args))
-        values.update((name, value) for name, value in self._meta.items() if name in names)
-        if len(values) != len(names) or list(signature) != list(names):
+        tail = names[len(args):]   # the parameters after the positional ones: passed by name in `meta`
+        if list(signature) != list(names) or len(args) > len(names) or any(name not in self._meta for name in tail):
             return   # the launcher's arguments are not one per parameter, in the kernel's order
-        # positions in `args` (ints) or fixed values (a one-tuple) in the launcher's order
-        position = {name: index for index, name in enumerate(names[:len(args)])}
-        self._order = tuple(position[name] if name in position else (values[name],) for name in signature)
         try:
             self._device = _driver.active.get_current_device()
         except Exception:  # noqa: BLE001 - no active driver: Triton's path, which knows what to do
             return
-        self._alignment = tuple(_aligned(arg) for arg in args)
+        self._tail, self._count = tuple(self._meta[name] for name in tail), len(args)
+        # (position, 16-byte aligned) of each tensor argument: Triton specializes on the alignment
+        self._alignment = tuple((index, _aligned(arg)) for index, arg in enumerate(args)
+                                if _aligned(arg) is not None)
         self._compiled = compiled
 
     def _direct_launch(self, args: Sequence[Any]) -> bool:
@@ -104,14 +105,14 @@ class CompiledLaunch:
             return False
         active = _driver.active
         device = active.get_current_device()
-        if device != self._device or len(args) != len(self._alignment):
+        if device != self._device or len(args) != self._count:
             return False
-        for arg, aligned in zip(args, self._alignment):
-            if aligned is not None and _aligned(arg) != aligned:
+        for index, aligned in self._alignment:
+            if (args[index].data_ptr() % 16 == 0) != aligned:
                 return False
         compiled, (x, y, z) = self._compiled, self._grid
         compiled.run(x, y, z, active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
-                     enter, exit_, *[args[i] if type(i) is int else i[0] for i in self._order])
+                     enter, exit_, *args, *self._tail)
         self.direct += 1
         return True
 

@@ -43,6 +43,13 @@ class PreparedProjection:
         (so a caller with a buffer should use it)?"""
         return False
 
+    def writer(self, out: torch.Tensor) -> Optional[Callable[[int, int], None]]:
+        """`write(start, stop)`: `rows_into(out, start, stop)` for every token, with what does not depend on
+        the rows worked out once (a caller that writes each head group's rows into the same buffer); None where
+        the class has none (the caller uses `rows_into`). The writer holds the input: the caller drops it
+        when it releases the projection."""
+        return None
+
     def full(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -118,6 +125,16 @@ class WeightRows(PreparedProjection):
 
     def writes_into(self, batch: int) -> bool:
         return True
+
+    def writer(self, out: torch.Tensor) -> Optional[Callable[[int, int], None]]:
+        """One batch item's every token into a 2-D `out` `(tokens, rows)`: one product a call, no checks."""
+        item = self.x if self.x.dim() == 2 else (self.x[0] if self.x.shape[0] == 1 else None)
+        if item is None or out.dim() != 2 or out.shape[0] != item.shape[0]:
+            return None
+        weight_t, bias = self.weight.t(), self.bias
+        if bias is None:
+            return lambda start, stop: torch.mm(item, weight_t[:, start:stop], out=out)
+        return lambda start, stop: torch.addmm(bias[start:stop], item, weight_t[:, start:stop], out=out)
 
     def full(self) -> torch.Tensor:
         return F.linear(self.x, self.weight, self.bias)
@@ -256,6 +273,10 @@ class _OffsetRows(PreparedProjection):
 
     def writes_into(self, batch: int) -> bool:
         return self.inner.writes_into(batch)
+
+    def writer(self, out: torch.Tensor) -> Optional[Callable[[int, int], None]]:
+        write, offset = self.inner.writer(out), self.offset
+        return None if write is None else (lambda start, stop: write(offset + start, offset + stop))
 
     def full(self) -> torch.Tensor:
         return self.inner.rows(self.offset, self.offset + self.width)

@@ -109,24 +109,34 @@ def join_streams(streams, name: Callable[["TokenStream"], str], start: int, stop
     names = tuple(name(stream) for stream in streams)
     found = None if kept is None else kept.get((names, heads))
     if found is None:
-        found = _joined_buffer(streams, names, total_tokens, heads, head_dim)
+        found = _joined_buffer(streams, names, total_tokens, heads, head_dim, writers=kept is not None)
         if kept is not None:
             kept[(names, heads)] = found
     joined, parts = found
-    for stream, which, part, writes in parts:
-        if writes:
+    released = False
+    for stream, which, part, writes, write in parts:
+        if write is not None:
+            write(start, stop)
+            if release(stream):
+                stream.release_projection(which)
+                released = True   # the writer holds the input: the kept entry goes too
+        elif writes:
             stream.rows_into(which, part, start, stop, release=release(stream))
         else:
             (part if part.dim() == 3 else part.unsqueeze(0)).copy_(stream.rows(which, start, stop,
                                                                              release(stream)))
+    if released:
+        kept.pop((names, heads), None)
     return joined
 
 
-def _joined_buffer(streams, names: tuple, total_tokens: int, heads: int, head_dim: int) -> tuple:
+def _joined_buffer(streams, names: tuple, total_tokens: int, heads: int, head_dim: int,
+                   writers: bool = False) -> tuple:
     """`(joined, parts)`: a new `(B, total_tokens, heads, head_dim)` buffer and, for each stream, `(stream, its
-    projection's name, its rows of the buffer, whether the projection writes into them in one launch)`; rows
-    are `(B, tokens, heads * head_dim)`, or `(tokens, heads * head_dim)` for one batch item (a view less a
-    product)."""
+    projection's name, its rows of the buffer, whether the projection writes into them in one launch, its
+    `writer` for them or None)`; rows are `(B, tokens, heads * head_dim)`, or `(tokens, heads * head_dim)` for
+    one batch item (a view less a product). `writers`: ask the projections for writers (a buffer kept for the
+    next groups; a writer is worked out once for all of them)."""
     first = streams[0]
     batch = first.batch
     joined = torch.empty((batch, total_tokens, heads, head_dim), dtype=first.dtype, device=first.device)
@@ -134,7 +144,9 @@ def _joined_buffer(streams, names: tuple, total_tokens: int, heads: int, head_di
     parts, a = [], 0
     for stream, which in zip(streams, names):
         b = a + stream.tokens
-        parts.append((stream, which, flat[a:b] if batch == 1 else flat[:, a:b], stream.writes_into(which)))
+        part = flat[a:b] if batch == 1 else flat[:, a:b]
+        parts.append((stream, which, part, stream.writes_into(which),
+                      stream.prepared[which].writer(part) if writers else None))
         a = b
     return joined, parts
 
