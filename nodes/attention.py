@@ -209,6 +209,9 @@ class PerHeadNormRope:
         self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
         self._plans: dict = {}     # (which, device, dtype, head size) -> the fused passes' arguments (`_plan`)
         self._passes: dict = {}    # (which, start, stop) -> the last `kernels.NormRopePass` worked out for them
+        # which -> the one pass over every token of the last tensor (two streams joined, or one): the next head
+        # group's keys of its layout go straight to it
+        self._whole: dict = {}
 
     def _fused_(self, t: torch.Tensor, start: int, stop: int, norm) -> bool:
         """One Triton pass (CUDA): the norm over each head's channels and the RoPE, for torch RMSNorms."""
@@ -240,6 +243,8 @@ class PerHeadNormRope:
         if joined is not None:
             launch = self._pass_launch(t, which, *joined)
             if launch is not None:
+                if joined[:2] == (0, t.shape[1]):
+                    self._whole[which] = self._passes[(which, 0, t.shape[1])]
                 return [launch]
         if separate is None:
             return None
@@ -319,6 +324,10 @@ class PerHeadNormRope:
         return start, stop, (None, weight, freqs), dict(head_norm_eps=eps)
 
     def _apply_(self, t: torch.Tensor, which: int) -> None:
+        whole = self._whole.get(which)
+        if whole is not None and whole.fits(t):   # a head group's keys laid out as the last group's
+            whole.run(t)
+            return
         launches = self._launches(t, which)
         if launches is not None:   # fused passes over every stream
             for launch in launches:
