@@ -195,6 +195,9 @@ def rotate_rows(kind: str, freqs, t: torch.Tensor, a: int, b: int, heads: range)
     raise ValueError(f"rope must be one of {ROPE_KINDS[1:]}, not {kind!r}")
 
 
+_NOT_YET = object()   # `PerHeadNormRope._plan`: the passes per stream, not worked out yet
+
+
 class PerHeadNormRope:
     """`norm_rope(query, key, group)` for norms over each head's channels: each stream's own norm on its token
     range (the module's norm, as the model runs it, rounded to the tensor's dtype), then RoPE on adjacent
@@ -246,6 +249,8 @@ class PerHeadNormRope:
                 if joined[:2] == (0, t.shape[1]):
                     self._whole[which] = self._passes[(which, 0, t.shape[1])]
                 return [launch]
+        if separate is _NOT_YET:
+            separate = self._separate(t, which)
         if separate is None:
             return None
         launches = [self._pass_launch(t, which, *planned) for planned in separate]
@@ -267,18 +272,30 @@ class PerHeadNormRope:
 
     def _plan(self, t: torch.Tensor, which: int) -> tuple:
         """`(joined, separate)`: the arguments of one pass over two adjacent streams (or None), and of one pass
-        per stream (or None where one cannot run), for tensors of `t`'s device, dtype and head size."""
+        per stream (or None where one cannot run; `_NOT_YET` until `_separate` is asked: the joined pass
+        usually serves), for tensors of `t`'s device, dtype and head size."""
         key = (which, t.device, t.dtype, t.shape[-1])
         if key not in self._plans:
-            spans = [(start, stop, norms[which]) for start, stop, *norms in self.ranges
-                     if not (norms[which] is None and self.freqs is None)]
+            spans = self._spans(which)
             joined = None
             if len(spans) == 2 and spans[0][1] == spans[1][0]:
                 joined = self._launch_args(t, spans[0][0], spans[1][1], spans[0][2], second=spans[1][2],
                                            split=spans[0][1])
-            separate = [self._launch_args(t, start, stop, norm) for start, stop, norm in spans]
-            self._plans[key] = (joined, None if None in separate else separate)
+            self._plans[key] = (joined, _NOT_YET)
         return self._plans[key]
+
+    def _separate(self, t: torch.Tensor, which: int) -> Optional[list]:
+        """`_plan`'s one pass per stream, worked out once for tensors like `t`."""
+        key = (which, t.device, t.dtype, t.shape[-1])
+        separate = [self._launch_args(t, start, stop, norm) for start, stop, norm in self._spans(which)]
+        separate = None if None in separate else separate
+        self._plans[key] = (self._plans[key][0], separate)
+        return separate
+
+    def _spans(self, which: int) -> list:
+        """(start, stop, norm) of each stream that has something to do for q (`which` 0) or k (1)."""
+        return [(start, stop, norms[which]) for start, stop, *norms in self.ranges
+                if not (norms[which] is None and self.freqs is None)]
 
     def _weight_eps(self, norm, t: torch.Tensor) -> tuple:
         """A torch RMSNorm's weight cast for `t` (once a call) and its epsilon."""
