@@ -297,3 +297,33 @@ def test_a_short_key_value_stream_is_projected_whole_only_under_a_64th_of_the_ke
                 assert torch.allclose(got.flatten(2), expected, rtol=1e-5, atol=1e-5)
     finally:
         call.release()
+
+
+def test_kept_buffers_are_reused_by_the_groups_and_dropped_with_the_last():
+    """`CallStreams.buffers` (set by the group loop): every group's joined k is written into one buffer through
+    each stream's writer (the layers' outputs, joined in stream order); the last group releases the projections
+    and drops the kept entry, so no writer keeps an input alive after it."""
+    import weakref
+    text, image = make_qkv(W, H, D, seed=7), make_qkv(W, H, D, seed=8)
+    x_text, x_image = randn(1, 300, W, seed=9), randn(1, 700, W, seed=10)
+    expected = torch.cat((text[1](x_text), image[1](x_image)), 1).detach()
+    streams = [TokenStream(x_text, q=text[0], k=text[1], v=text[2]),
+               TokenStream(x_image, q=image[0], k=image[1], v=image[2])]
+    image_input = weakref.ref(x_image)
+    del x_text, x_image
+    call = CallStreams(streams, streams, H, H, D)
+    call.prepare(groups=2)
+    call.buffers = {}
+    try:
+        storages = set()
+        for index, heads in enumerate((range(0, 2), range(2, 4))):
+            k = call.project_k(HeadGroup(heads, heads), last=index == 1, v_later=False)
+            assert torch.allclose(k.flatten(2), expected[..., heads.start * D:heads.stop * D], rtol=1e-5, atol=1e-5)
+            storages.add(k.untyped_storage().data_ptr())
+            del k
+        assert len(storages) == 1   # one buffer for both groups
+        assert not any(names == ("k", "k") for names, _ in call.buffers)   # dropped with the last group
+        assert "k" not in streams[1].prepared and image_input() is not None   # v still holds the input
+    finally:
+        call.release()
+    assert image_input() is None and call.buffers is None
