@@ -5,6 +5,7 @@ picks the `comfy.supported_models` class), random bf16 weights built on the devi
 
     python -m benchmarks.bench --comfyui PATH --family-models [--cases flux-dev-1024,...] [--repeats 2]
                                                                [--backend auto] [--json FILE] [--tiny]
+                                                               [--level High] [--split-floor TOKENS]
 
 What it measures, per case (docs/benchmarks.md, "The memory estimate the pack gives ComfyUI"): ComfyUI plans a
 run from its estimate E = `base_model.memory_required([2, C, ...])` (`comfy.sampler_helpers.estimate_memory`:
@@ -361,20 +362,21 @@ def measured(fn, repeats: int, device) -> tuple:
     return statistics.median(times), peak, first
 
 
-def pack_plan(base, patched, backend: str, shape) -> tuple:
+def pack_plan(base, patched, backend: str, shape, level: str = "High") -> tuple:
     """What `nodes.patching.memory_factor` tells ComfyUI for a run of this case with the family's current
     MEMORY_FACTORS, and why (split, unsplit, not verified yet, ...); the adapter's name."""
     diffusion_model = base.model.diffusion_model
     adapter = patching.find_adapter(diffusion_model)
     if adapter is None:
         return None, "no adapter: the kernel-level patch", "-"
-    factor, why = patching.memory_factor(QKVConfig(patching.LEVELS.index("High"), backend, True), adapter,
+    factor, why = patching.memory_factor(QKVConfig(patching.LEVELS.index(level), backend, True), adapter,
                                          diffusion_model, shape,
                                          patched.model_options.get("transformer_options", {}))
     return factor, why, adapter.FAMILY
 
 
-def run_case(case: Case, base, device, batch: int, backend: str, repeats: int, row: dict) -> dict:
+def run_case(case: Case, base, device, batch: int, backend: str, repeats: int, row: dict,
+             level: str = "High") -> dict:
     """Fills `row` as it goes (a case that fails half-way keeps what it measured)."""
     args = inputs(base, case, batch, device)
     x = args["x"]
@@ -394,11 +396,11 @@ def run_case(case: Case, base, device, batch: int, backend: str, repeats: int, r
     row["stock_ms"], stock_peak, stock_out = measured(lambda: call(base, base, args, batch), repeats, device)
     row["A_GiB"] = stock_peak / GiB
 
-    patched, _ = patching.apply_patch(base, "High", backend, True)
+    patched, _ = patching.apply_patch(base, level, backend, True)
     call(base, patched, args, batch)   # warm-up: the pack's self-check runs on its first call
     row["pack_ms"], pack_peak, pack_out = measured(lambda: call(base, patched, args, batch), repeats, device)
     row["P_GiB"] = pack_peak / GiB
-    row["plan_factor"], row["plan_why"], row["adapter"] = pack_plan(base, patched, backend, list(x.shape))
+    row["plan_factor"], row["plan_why"], row["adapter"] = pack_plan(base, patched, backend, list(x.shape), level)
 
     scale = stock_out.abs().max()
     row["finite"] = bool(torch.isfinite(stock_out).all() and torch.isfinite(pack_out).all())
@@ -465,6 +467,10 @@ def main(argv=None) -> int:
                         help="the model call's batch: 2 = cond + uncond (cfg > 1); 1 = cfg 1 (Flux-dev and "
                              "HunyuanVideo usually run so). E is ComfyUI's estimate either way: it always plans "
                              "for cond + uncond")
+    parser.add_argument("--level", default="High", help="the node's head_split_level for the pack (default High)")
+    parser.add_argument("--split-floor", type=int, default=None,
+                        help="the runtime's head split floor in tokens of one item (default 8,192; each family "
+                             "splits from its SPLIT_FLOOR_SCALE times it); 0: every call is split")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: every case cut down to run on the CPU")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default 1)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -481,6 +487,8 @@ def main(argv=None) -> int:
     floor = head_split.SPLIT_FLOOR_TOKENS
     if args.tiny:
         head_split.SPLIT_FLOOR_TOKENS = TINY_SPLIT_FLOOR
+    if args.split_floor is not None:
+        head_split.SPLIT_FLOOR_TOKENS = args.split_floor
     try:
         return _run(args, names, device)
     finally:
@@ -490,9 +498,11 @@ def main(argv=None) -> int:
 def _run(args, names, device) -> int:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA: a smoke run, no peaks)"
-    print(f"{gpu}; torch {torch.__version__}; ComfyUI {comfyui_version()}; pack: High, block bounds, backend "
+    print(f"{gpu}; torch {torch.__version__}; ComfyUI {comfyui_version()}; pack: {args.level}, block bounds, backend "
           f"{args.backend}; batch {args.batch}; {args.repeats} measured call(s) per method after a warm-up"
-          + (f"; TINY models, head split floor {TINY_SPLIT_FLOOR} tokens" if args.tiny else ""), flush=True)
+          + (f"; TINY models, head split floor {TINY_SPLIT_FLOOR} tokens" if args.tiny else "")
+          + (f"; the runtime's head split floor {args.split_floor} tokens" if args.split_floor is not None else ""),
+          flush=True)
     print("E = ComfyUI's estimate for cond + uncond (memory_required"
           + ("; without CUDA ComfyUI's non-flash formula, not the GPU's" if device.type != "cuda" else "")
           + "); A, P = allocator peak of one model call above weights and inputs; factor needed = 1 - (A - P) / E\n",
@@ -514,7 +524,7 @@ def _run(args, names, device) -> int:
             else:
                 built_s = 0.0
             row["build_s"] = built_s
-            run_case(case, resident, device, args.batch, args.backend, args.repeats, row)
+            run_case(case, resident, device, args.batch, args.backend, args.repeats, row, args.level)
         except Exception as error:  # noqa: BLE001 - one failed case must not stop the others
             traceback.print_exc()
             first_line = str(error).splitlines()[0][:200] if str(error) else ""
@@ -537,7 +547,8 @@ def _run(args, names, device) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": gpu, "torch": torch.__version__, "comfyui": comfyui_version(),
-                       "backend": args.backend, "batch": args.batch, "repeats": args.repeats, "tiny": args.tiny,
+                       "backend": args.backend, "level": args.level, "split_floor": args.split_floor,
+                       "batch": args.batch, "repeats": args.repeats, "tiny": args.tiny,
                        "rows": rows}, f, indent=1)
     return 1 if any("error" in row for row in rows) else 0
 

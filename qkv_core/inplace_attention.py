@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .kernels import capability, cdiv, runs_on, triton
-from .launch import CompiledLaunch
+from .launch import shared_launch
 
 if triton is not None:
     import triton.language as tl
@@ -158,8 +158,10 @@ class OverQueriesPass:
                        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads)
         meta = dict(GROUP=heads // k.shape[2], DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted,
                     WHOLE_BLOCKS=k.shape[1] // block_n if interpreted else 0, num_warps=warps, num_stages=stages)
-        # the launches after the first call the compiled kernel's launcher (`launch.CompiledLaunch`)
-        self._launch = CompiledLaunch(_attention_over_q_kernel, (cdiv(q_tokens, block_m), batch * heads), meta)
+        # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
+        # launcher (`launch.shared_launch`)
+        self._launch = shared_launch(_attention_over_q_kernel, (cdiv(q_tokens, block_m), batch * heads), meta,
+                                     (q, k, v) + self._fixed)
 
     def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Can `run` take these (this pass's layout)?"""

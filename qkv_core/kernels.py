@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .launch import CompiledLaunch
+from .launch import shared_launch
 
 try:  # Triton is optional: ComfyUI installs on Windows and Macs often have none
     import triton
@@ -301,8 +301,9 @@ class NormRopePass:
         self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
         self._args = tuple(None if arg is t else arg for arg in args)
         self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
-        # the launches after the first call the compiled kernel's launcher (`launch.CompiledLaunch`)
-        self._launch = CompiledLaunch(_norm_rope_kernel, grid, meta)
+        # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
+        # launcher (`launch.shared_launch`)
+        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args)
 
     def fits(self, t: torch.Tensor) -> bool:
         """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""

@@ -16,9 +16,15 @@ Only where that is what Triton itself would do:
 - each tensor argument as aligned (16 bytes or not) as the first launch's: Triton specializes on it.
 The caller promises the rest: the same non-tensor arguments, tensors of the same dtypes (both fixed per
 `CompiledLaunch`; the callers check their tensors' layout before they launch).
+
+`shared_launch` keeps one `CompiledLaunch` per kernel, grid, meta-parameters and arguments (non-tensor values,
+tensors' dtypes, devices and alignment) across calls: a block's next call launches its first norm pass and its
+first attention straight away too (through Triton, each was 50–90 µs of host time on the critical path before
+the GPU has work: docs/benchmarks.md).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
@@ -117,4 +123,35 @@ class CompiledLaunch:
         return True
 
 
-__all__ = ["CompiledLaunch"]
+# launches kept across calls (`shared_launch`): a few per model and size; the least recently used goes first
+SHARED_LAUNCHES = 64
+_shared: "OrderedDict[tuple, CompiledLaunch]" = OrderedDict()
+
+
+def _argument_key(arg) -> tuple:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
+    return type(arg), arg   # Triton specializes on an integer's value (1, multiples of 16) and type
+
+
+def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) -> CompiledLaunch:
+    """The `CompiledLaunch` of `kernel` over `grid` with `meta` for arguments like `args` (the same non-tensor
+    values, tensors of the same dtypes, devices and 16-byte alignment), the one an earlier call made where
+    there is one: what `CompiledLaunch` asks its caller to keep the same is part of the key. Holds no tensor."""
+    key = (id(kernel), tuple(grid), tuple(sorted(meta.items())), tuple(_argument_key(arg) for arg in args))
+    found = _shared.get(key)
+    if found is not None and found._kernel is kernel:   # (the id of a kernel still held: the same kernel)
+        _shared.move_to_end(key)
+        return found
+    found = _shared[key] = CompiledLaunch(kernel, grid, meta)
+    while len(_shared) > SHARED_LAUNCHES:
+        _shared.popitem(last=False)
+    return found
+
+
+def forget_shared_launches() -> None:
+    """Drop every launch `shared_launch` keeps (tests; a changed Triton setup)."""
+    _shared.clear()
+
+
+__all__ = ["CompiledLaunch", "shared_launch", "forget_shared_launches", "SHARED_LAUNCHES"]

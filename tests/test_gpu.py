@@ -164,17 +164,20 @@ def test_repeated_launches_go_straight_to_the_compiled_launcher():
     """`launch.CompiledLaunch` (the norm pass and the attention over queries of every head group after the
     first): the later launches call the compiled kernel's launcher (the Triton versions CI and users run lay its
     arguments out as the kernel's parameters) and give Triton's own launch's numbers bitwise, on views at other
-    offsets of one buffer; a tensor aligned otherwise goes back through Triton."""
-    from qkv_core import inplace_attention, kernels
+    offsets of one buffer; a tensor aligned otherwise goes back through Triton; a later call's pass of the same
+    layout (`launch.shared_launch`) launches straight away."""
+    from qkv_core import inplace_attention, kernels, launch
     if kernels.triton is None:
         pytest.skip("Triton is not installed")
     g = torch.Generator(device="cuda").manual_seed(3)
     buffer = torch.randn(1, 1000, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    planned = inplace_attention.over_queries_pass(buffer[:, :, 0:4], k, v)
     by_triton = buffer.clone()
-    for start in range(0, 24, 4):   # each group through Triton's own launch
+    for start in range(0, 24, 4):   # each group through Triton's own launch (no launch kept from before)
+        launch.forget_shared_launches()
         assert inplace_attention.attend_over_queries_(by_triton[:, :, start:start + 4], k, v)
+    launch.forget_shared_launches()
+    planned = inplace_attention.over_queries_pass(buffer[:, :, 0:4], k, v)
     for start in range(0, 24, 4):
         assert planned.fits(buffer[:, :, start:start + 4], k, v)
         planned.run(buffer[:, :, start:start + 4], k, v)
@@ -184,7 +187,9 @@ def test_repeated_launches_go_straight_to_the_compiled_launcher():
     freqs = torch.randn(1, 1000, 1, 64, 2, 2, device="cuda", generator=g)
     keys = torch.randn(1, 1000, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     want = keys.clone()
+    launch.forget_shared_launches()
     assert kernels.norm_rope_(want, None, weight, freqs, head_norm_eps=1e-6)
+    launch.forget_shared_launches()
     norm = kernels.norm_rope_pass(keys, None, weight, freqs, head_norm_eps=1e-6)
     first, second = keys.clone(), keys.clone()
     norm.run(first)
@@ -196,3 +201,8 @@ def test_repeated_launches_go_straight_to_the_compiled_launcher():
     norm.run(odd)
     assert norm._launch.direct == 1   # through Triton (its own specialization: not bitwise the aligned one's)
     assert float((odd.float() - want.float()).abs().max()) <= 2e-2 * float(want.float().abs().max())
+    # the next call's pass of the same layout: its first launch goes straight to the launcher, same numbers
+    again = kernels.norm_rope_pass(keys, None, weight, freqs, head_norm_eps=1e-6)
+    third = keys.clone()
+    again.run(third)
+    assert again._launch is norm._launch and norm._launch.direct == 2 and torch.equal(third, want)

@@ -105,3 +105,32 @@ def test_other_launcher_layouts_hooks_devices_and_alignments_go_through_triton(d
 def test_triton_hook_chains():
     assert not launch._hooked(None) and not launch._hooked(types.SimpleNamespace(calls=[]))
     assert launch._hooked(print) and launch._hooked(types.SimpleNamespace(calls=[print]))
+
+
+def test_a_later_calls_launch_of_the_same_layout_is_the_kept_one(driver, monkeypatch):
+    """`shared_launch`: the next call's first launch of a kernel with the same grid, meta-parameters, non-tensor
+    arguments and tensor dtypes / devices / alignment goes straight to the launcher; anything else differing
+    is another launch (through Triton first); the least recently used layouts are dropped past the bound."""
+    launch.forget_shared_launches()
+    kernel = Kernel()
+    first = launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8))
+    first.launch((torch.zeros(8), 8))
+    again = launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.ones(8), 8))   # the next call
+    again.launch((torch.ones(8), 8))
+    assert again is first and [entry[0] for entry in kernel.log] == ["triton", "direct"]
+    others = [launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 9)),          # another value
+              launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8.0)),        # another type
+              launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8, dtype=torch.bfloat16), 8)),
+              launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(9, dtype=torch.bfloat16)[1:], 8)),
+              launch.shared_launch(kernel, (8,), dict(BLOCK=64), (torch.zeros(8), 8)),          # another grid
+              launch.shared_launch(kernel, (4,), dict(BLOCK=32), (torch.zeros(8), 8)),          # another meta
+              launch.shared_launch(Kernel(), (4,), dict(BLOCK=64), (torch.zeros(8), 8))]        # another kernel
+    assert len({id(planned) for planned in others + [first]}) == len(others) + 1
+    monkeypatch.setattr(launch, "SHARED_LAUNCHES", 3)
+    launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8))   # the most recent again
+    launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 10))
+    assert len(launch._shared) == 3 and launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8)) is first
+    assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 9)) is not others[0]   # dropped
+    launch.forget_shared_launches()
+    assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8)) is not first
+    launch.forget_shared_launches()
