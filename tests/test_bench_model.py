@@ -96,6 +96,25 @@ def test_the_whole_model_benchmark_runs_every_family_tiny(capsys):
         assert float(row.rstrip(" |").split("|")[-1]) < 2e-2, row   # rel diff, bf16
 
 
+def test_the_whole_model_benchmark_takes_a_level_and_a_split_floor(tmp_path):
+    """`--family-models --level L --split-floor N`: the pack at that level, the runtime's split floor N for the
+    run (a floor above the tiny model's tokens: the plan says the split does not run), the floor restored."""
+    import json
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    models = importlib.import_module(pack.__name__ + ".benchmarks.family_models")
+    head_split = importlib.import_module(pack.__name__ + ".qkv_core.head_split")
+    floor = head_split.SPLIT_FLOOR_TOKENS
+    out = tmp_path / "rows.json"
+    assert models.main(["--tiny", "--device", "cpu", "--repeats", "1", "--cases", "qwen-image-1328", "--level",
+                        "Medium", "--split-floor", "100000", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    row = report["rows"][0]
+    assert (report["level"], report["split_floor"]) == ("Medium", 100000)
+    assert row["plan_why"].startswith("no head split") and row["max_rel_diff"] < 2e-2
+    assert head_split.SPLIT_FLOOR_TOKENS == floor
+
+
 def test_the_families_benchmark_forces_the_split_where_asked():
     """`--families --split-floor 0` splits a block that the family's own floor keeps whole (a tiny Qwen-Image
     block: 1,040 tokens), which lowers the pack's peak; either way the pack's output is stock's (float32 on CPU)."""
