@@ -128,17 +128,17 @@ SHARED_LAUNCHES = 64
 _shared: "OrderedDict[tuple, CompiledLaunch]" = OrderedDict()
 
 
-def _argument_key(arg) -> tuple:
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.device, arg.data_ptr() % 16 == 0
-    return type(arg), arg   # Triton specializes on an integer's value (1, multiples of 16) and type
-
-
 def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) -> CompiledLaunch:
     """The `CompiledLaunch` of `kernel` over `grid` with `meta` for arguments like `args` (the same non-tensor
     values, tensors of the same dtypes, devices and 16-byte alignment), the one an earlier call made where
     there is one: what `CompiledLaunch` asks its caller to keep the same is part of the key. Holds no tensor."""
-    key = (id(kernel), tuple(grid), tuple(sorted(meta.items())), tuple(_argument_key(arg) for arg in args))
+    key = [id(kernel), tuple(grid), tuple(meta.items()), len(args)]
+    for arg in args:   # (a flat key: this runs once per pass a call, on the host's critical path)
+        if isinstance(arg, torch.Tensor):
+            key += (arg.dtype, arg.is_cuda, arg.get_device(), arg.data_ptr() % 16 == 0)
+        else:   # Triton specializes on an integer's value (1, multiples of 16) and on the type
+            key += (arg.__class__, arg)
+    key = tuple(key)
     found = _shared.get(key)
     if found is not None and found._kernel is kernel:   # (the id of a kernel still held: the same kernel)
         _shared.move_to_end(key)
