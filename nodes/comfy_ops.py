@@ -275,6 +275,10 @@ class CastLinear:
         self._linear = linear
         self.weight = self.bias = None
         self.own_format = not_row_sliceable(linear) if sliceable is _ASK else sliceable
+        stored = stored_weights(linear, x) if self.own_format is None else None
+        if stored is not None:   # the weight as stored: no cast (the common case, asked first)
+            self.weight, self.bias = stored
+            return
         if self.own_format is None and _is_quantized(module_attr(linear, "weight")):
             self.own_format = "QuantizedTensor weight: the layer's own quantized matmul"
         if self.own_format is None and fp8_matmul_rows(linear):
@@ -400,11 +404,29 @@ class ComfyLinearRows(RowProjection):
             return QuantizedRows(self.linear, x, fp8_ops=True)
         if self._held is not None:
             return WeightRows(x, self._held.weight, self._held.bias)
+        stored = stored_weights(self.linear, x)
+        if stored is not None:
+            return WeightRows(x, *stored)
         weight_rows = row_caster(self.linear, x, sliceable=True)
         if weight_rows is not None:
             return RowsOnDemand(x, self.linear.weight.shape[0], weight_rows)
         cast = CastLinear(self.linear, x, sliceable=None)   # probed at construction: rows, no format of its own
         return WeightRows(x, cast.weight, cast.bias, on_release=cast.release)
+
+
+def stored_weights(linear, x: torch.Tensor) -> Optional[tuple]:
+    """`(weight, bias)` as the layer stores them where `CastLinear(linear, x)` would use them so (a row-sliceable
+    layer, `not_row_sliceable` None, whose weight is in `x`'s dtype and on its device with nothing to apply: no
+    cast, no LoRA function, no scale, not GGUF), after ComfyUI's per-op hook as `CastLinear` runs it; else None.
+    The same answer as `row_caster` (None) then `CastLinear` give for such a layer, in a few lookups: every
+    projection of every call asks (host time before the first attention)."""
+    weight = module_attr(linear, "weight")
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype != x.dtype or \
+            weight.device != x.device or _needs_cast(linear) or dequantizes_itself(linear) or \
+            module_attr(linear, "scale_weight", None) is not None:
+        return None
+    run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
+    return weight, module_attr(linear, "bias")
 
 
 def _plain_tensor(t) -> bool:
@@ -622,11 +644,13 @@ class QuantizedRows(PreparedProjection):
 
 def norm_weight(norm, x: torch.Tensor) -> Optional[torch.Tensor]:
     """A ComfyUI RMSNorm's weight cast for `x` (through cast_bias_weight when the op needs it)."""
-    weight = getattr(norm, "weight", None)
+    weight = module_attr(norm, "weight")
     if weight is None:
         return None
     if _needs_cast(norm):
         return cast_owned(norm, x)[0]
+    if weight.dtype == x.dtype and weight.device == x.device:   # what cast_to returns then, without the call
+        return weight
     return comfy.model_management.cast_to(weight, dtype=x.dtype, device=x.device)
 
 

@@ -258,13 +258,6 @@ def unknown_args(names, args, kwargs) -> str:
     return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
 
 
-def _has_weight(module) -> bool:
-    """`hasattr(module, "weight")` without its cost on a module that has none (an AttributeError raised and
-    caught in `Module.__getattr__`)."""
-    return "weight" in module._parameters or "weight" in module._buffers or "weight" in module.__dict__ or \
-        "weight" in module._modules or hasattr(type(module), "weight")
-
-
 class ModuleTree(NamedTuple):
     """What the guard reads of a module's tree at every call, from one walk (`module_tree`): `layers`, the
     layer classes and weight dtypes (`layers_signature`), and `foreign`, why a part below the module carries
@@ -279,30 +272,63 @@ def module_tree(module) -> ModuleTree:
     (`named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of host time). Within
     one guarded call's checks it is walked once (`layers_signature` and `foreign_part` both ask)."""
     walked = getattr(_local, "trees", None)
-    if walked is not None and id(module) in walked:
-        return walked[id(module)]
+    if walked is not None:
+        tree = walked.get(id(module))
+        if tree is not None:
+            return tree
     layers, foreign, seen, stack = [], None, set(), [("", module, None)]
     while stack:
         name, child, part = stack.pop()
-        if id(child) in seen:
+        key = id(child)
+        if key in seen:
             continue
-        seen.add(id(child))
+        seen.add(key)
+        own = child.__dict__
         if part is not None and foreign is None:
-            if foreign_forward(child):
+            if own.get("forward") is not None and foreign_forward(child):
                 foreign = f"another node patched its {part}"
-            elif child._forward_hooks or child._forward_pre_hooks:
+            elif own.get("_forward_hooks") or own.get("_forward_pre_hooks"):
                 foreign = f"another node hooks its {part}"
-        if _has_weight(child):
-            layers.append((name, type(child).__qualname__, str(getattr(getattr(child, "weight", None), "dtype", None))))
-        below = child._modules
+        weight = _weight_of(child, own)
+        if weight is not _NO_WEIGHT:
+            layers.append((name, type(child).__qualname__, _dtype_name(getattr(weight, "dtype", None))))
+        below = own.get("_modules")
         if below:
             prefix = name + "." if name else ""
-            stack.extend((prefix + key, sub, key if part is None else part)
-                         for key, sub in reversed(below.items()) if sub is not None)
+            for sub_name, sub in reversed(below.items()):
+                if sub is not None:
+                    stack.append((prefix + sub_name, sub, sub_name if part is None else part))
     tree = ModuleTree(tuple(layers), foreign)
     if walked is not None:
         walked[id(module)] = tree
     return tree
+
+
+_NO_WEIGHT = object()
+_DTYPE_NAMES: dict = {}
+
+
+def _weight_of(module, own: dict):
+    """`getattr(module, "weight", None)` where the module has a weight (its class, its own attributes, parameters,
+    buffers or submodules name one), else `_NO_WEIGHT`: read from the module's own dicts in `getattr`'s order,
+    `getattr` itself only where its class has a `weight`."""
+    if hasattr(type(module), "weight"):
+        return getattr(module, "weight", None)
+    if "weight" in own:
+        return own["weight"]
+    for store in ("_parameters", "_buffers", "_modules"):
+        values = own.get(store)
+        if values and "weight" in values:
+            return values["weight"]
+    return _NO_WEIGHT
+
+
+def _dtype_name(dtype) -> str:
+    """`str(dtype)`, kept (the signature is built at every call)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def layers_signature(module) -> tuple:

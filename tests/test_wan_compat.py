@@ -195,6 +195,39 @@ def test_one_walk_serves_a_guarded_calls_checks_and_the_parts_foreign_to_the_pac
     assert compat.module_tree(block) is not first and compat.layers_signature(block) != first.layers
 
 
+def test_a_layer_computed_as_stored_is_projected_with_its_own_weight(env):
+    """`comfy_ops.stored_weights`, the cheap common case of every call's projections and block layers: a layer
+    whose weight is already in the input's dtype and device, with nothing applied on the fly, gives its own
+    weight and bias (no cast, no copy) and the layer's numbers; another dtype, a LoRA weight function or
+    ComfyUI's cast flag takes the cast path as before, whose numbers are the layer's own too."""
+    import comfy.ops
+    torch, ops = env.torch, env.ops
+    layer = comfy.ops.disable_weight_init.Linear(64, 96, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x = torch.randn(2, 10, 64)
+    weight, bias = ops.stored_weights(layer, x)
+    assert weight is layer.weight and bias is layer.bias
+    assert ops.CastLinear(layer, x).weight is layer.weight
+    with torch.no_grad():
+        stock = layer(x)
+        prepared = ops.ComfyLinearRows(layer).prepare(x)
+        assert prepared.weight is layer.weight and torch.equal(prepared.rows(0, 96), stock)
+        prepared.release()
+        assert ops.stored_weights(layer, x.double()) is None
+        layer.weight_function = [lambda w: w * 2]   # a LoRA applied on the fly (ComfyUI's low-VRAM patches)
+        assert ops.stored_weights(layer, x) is None and ops.CastLinear(layer, x).weight is not layer.weight
+        patched = layer(x)
+        assert not torch.allclose(patched, stock)
+        prepared = ops.ComfyLinearRows(layer).prepare(x)
+        assert torch.allclose(prepared.rows(0, 96), patched, rtol=1e-5, atol=1e-5)
+        prepared.release()
+        layer.weight_function = []
+        layer.comfy_cast_weights = True
+        assert ops.stored_weights(layer, x) is None
+
+
 def test_module_attr_reads_what_getattr_reads(env):
     """The probes' attribute lookup without `Module.__getattr__`'s failed lookups gives what `getattr` gives:
     instance attributes, parameters, buffers, submodules, class attributes, properties and methods, and the
