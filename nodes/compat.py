@@ -170,11 +170,15 @@ def compare(stock, ours, base: Optional[torch.Tensor] = None, quantized: bool = 
     return None
 
 
+_UNCHECKED = object()
+
+
 def known_verdict(signature) -> tuple[bool, Optional[str]]:
     """(True, the verdict) when `signature` was checked in this process, else (False, None)."""
-    if signature in _verdicts:
-        return True, _verdicts[signature]
-    return False, None
+    verdict = _verdicts.get(signature, _UNCHECKED)   # one hash of the signature (every call asks)
+    if verdict is _UNCHECKED:
+        return False, None
+    return True, verdict
 
 
 def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None,
