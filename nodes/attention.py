@@ -324,7 +324,9 @@ class PerHeadNormRope:
                 isinstance(n, torch.nn.RMSNorm) and tuple(n.normalized_shape) == (t.shape[-1],))
                 for n in (norm, None if second is False else second)):
             return None
-        freqs = None if self.freqs is None else self.freqs[:, start:stop]
+        freqs = self.freqs
+        if freqs is not None and (start != 0 or stop != freqs.shape[1]):   # (a view less where it is all of them)
+            freqs = freqs[:, start:stop]
         if second is not False:
             if (norm is None) != (second is None):
                 return None

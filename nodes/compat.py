@@ -350,7 +350,7 @@ def hooks_set(transformer_options) -> frozenset:
 def hooks_refusal(transformer_options, names) -> Optional[str]:
     """Why a forward must run ComfyUI's own: another node set one of the hooks `names` that ComfyUI's forward
     calls on whole q/k/v (the head split never holds them), else None."""
-    inside = sorted(hooks_set(transformer_options) & set(names))
+    inside = sorted(hooks_set(transformer_options).intersection(names))
     return f"another node's {', '.join(inside)} hook needs whole q/k/v" if inside else None
 
 

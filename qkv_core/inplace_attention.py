@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from .kernels import capability, cdiv, runs_on, triton
-from .launch import shared_launch
+from .launch import kept_across_calls, shared_launch
 
 if triton is not None:
     import triton.language as tl
@@ -184,7 +184,11 @@ def over_queries_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cannot_attend_over_queries(q, k, v) is not None:
         return None
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    return OverQueriesPass(q, k, v, scale)
+    # the pass of this layout, scale and alignment from an earlier call where there is one (it holds no tensor):
+    # its arguments are worked out once, not at every call's first group, before the GPU has its first attention
+    key = (OverQueriesPass, _layout(q, k, v), scale, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
+           _CONFIGS.get(q.shape[3]), _INTERPRET_CONFIG)
+    return kept_across_calls(key, lambda: OverQueriesPass(q, k, v, scale))
 
 
 def attend_over_queries_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

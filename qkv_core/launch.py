@@ -25,7 +25,7 @@ the GPU has work: docs/benchmarks.md).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -149,9 +149,26 @@ def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) 
     return found
 
 
+def kept_across_calls(key: tuple, make: Callable[[], Any]) -> Any:
+    """What `make()` returns for `key`, made once and kept beside the shared launches (the same bound of the
+    most recently used, dropped with them by `forget_shared_launches`): a launch's worked-out arguments that
+    the next call of the same layout would work out again (`inplace_attention.OverQueriesPass`). `key` starts
+    with the kept object's class (no clash with `shared_launch`'s keys, which start with an int); what is kept
+    must hold no tensor."""
+    found = _shared.get(key)
+    if found is not None:
+        _shared.move_to_end(key)
+        return found
+    found = _shared[key] = make()
+    while len(_shared) > SHARED_LAUNCHES:
+        _shared.popitem(last=False)
+    return found
+
+
 def forget_shared_launches() -> None:
-    """Drop every launch `shared_launch` keeps (tests; a changed Triton setup)."""
+    """Drop every launch `shared_launch` keeps, and what `kept_across_calls` keeps (tests; a changed Triton
+    setup)."""
     _shared.clear()
 
 
-__all__ = ["CompiledLaunch", "shared_launch", "forget_shared_launches", "SHARED_LAUNCHES"]
+__all__ = ["CompiledLaunch", "shared_launch", "kept_across_calls", "forget_shared_launches", "SHARED_LAUNCHES"]

@@ -62,8 +62,10 @@ class AttentionOptions:
 
     @classmethod
     def from_kwargs(cls, options: dict) -> "AttentionOptions":
-        unknown = set(options) - set(cls.names())
+        unknown = options.keys() - _NAMES
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are {list(cls.names())}")
         return cls(**options)
 
+
+_NAMES = frozenset(AttentionOptions.names())   # every call checks its options against them

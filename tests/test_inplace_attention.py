@@ -53,6 +53,17 @@ KERNEL_CHECK = textwrap.dedent("""
     assert not ia.attend_over_queries_(z, z, z)
     w = torch.randn(1, 8, 2, 128, dtype=torch.bfloat16)
     assert not ia.attend_over_queries_(w, w, w[:, :4])
+    # a pass is worked out once for a layout, scale and alignment and kept for the next call's (it holds no
+    # tensor); another scale, layout or alignment is another pass, and forgetting the kept launches drops it
+    from qkv_core import launch
+    a, b = (torch.randn(1, 40, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    kept = ia.over_queries_pass(a, a, a)
+    assert ia.over_queries_pass(b, b, b) is kept and ia.over_queries_pass(b, b, b, 0.1) is not kept
+    assert ia.over_queries_pass(b[:, :39], b[:, :39], b[:, :39]) is not kept
+    odd = torch.randn(1 * 40 * 2 * 128 + 4, dtype=torch.bfloat16)[4:].view(1, 40, 2, 128)   # 8 bytes off
+    assert ia.over_queries_pass(odd, b, b) is not kept
+    launch.forget_shared_launches()
+    assert ia.over_queries_pass(b, b, b) is not kept
     print("cases", cases)
 """)
 

@@ -134,3 +134,20 @@ def test_a_later_calls_launch_of_the_same_layout_is_the_kept_one(driver, monkeyp
     launch.forget_shared_launches()
     assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8)) is not first
     launch.forget_shared_launches()
+
+
+def test_a_worked_out_launch_is_kept_for_its_key_beside_the_launches():
+    """`kept_across_calls`: made once for a key and given back to the next call; within the launches' bound
+    (least recently used first out) and dropped with them."""
+    launch.forget_shared_launches()
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+    first = launch.kept_across_calls((Kernel, 1), make)
+    assert launch.kept_across_calls((Kernel, 1), make) is first and len(made) == 1
+    assert launch.kept_across_calls((Kernel, 2), make) is not first and len(made) == 2
+    launch.forget_shared_launches()
+    assert launch.kept_across_calls((Kernel, 1), make) is not first and len(made) == 3
+    launch.forget_shared_launches()
