@@ -89,11 +89,13 @@ class ChunkedMLP:
             self.gated_layers = tuple(CastLinear(layer, like) for layer in layers)
             return
         self.hidden_width = _hidden_width(mlp)
-        plain = isinstance(mlp, torch.nn.Sequential) and len(mlp) == 3 and hasattr(mlp[0], "weight") and \
-            hasattr(mlp[2], "weight") and not_row_sliceable(mlp[0]) is None and not_row_sliceable(mlp[2]) is None
+        # a Sequential's layers read once (indexing a Sequential costs microseconds, at every chunk otherwise)
+        layers = tuple(mlp._modules.values()) if isinstance(mlp, torch.nn.Sequential) else ()
+        plain = len(layers) == 3 and not_row_sliceable(layers[0]) is None and not_row_sliceable(layers[2]) is None
         # probed just above: CastLinear need not ask again
-        self.up = CastLinear(mlp[0], like, sliceable=None) if plain else None
-        self.down = CastLinear(mlp[2], like, sliceable=None) if plain else None
+        self.up = CastLinear(layers[0], like, sliceable=None) if plain else None
+        self.down = CastLinear(layers[2], like, sliceable=None) if plain else None
+        self._activation = layers[1] if plain else None
 
     @property
     def hidden_per_token(self) -> int:
@@ -117,7 +119,7 @@ class ChunkedMLP:
             return down(hidden)
         if self.up is None:
             return self.mlp(t)
-        activation = self.mlp[1]
+        activation = self._activation
         if type(activation) is torch.nn.GELU:
             hidden = self.up.gelu(t, activation.approximate)
         else:

@@ -224,9 +224,58 @@ def fp8_matmul_rows(linear) -> bool:
             and module_attr(linear, "scale_weight", None) is None and module_attr(linear, "scale_input", None) is None)
 
 
+# the names a layer of a plain class may hold beside its weight and bias, each of which needs the full probes
+_NOT_PLAIN_NAMES = ("scale_weight", "scale_input", "layout_type", "weight", "bias", "forward")
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_PARAMETER_NAMES = frozenset(("weight", "bias"))
+_plain_classes: dict = {}   # class -> is it a plain class (`_plain_class`)
+
+
+def _plain_class(cls) -> bool:
+    """A class whose layers compute `F.linear` of their stored (or ComfyUI-cast) weight: ComfyUI's own Linear
+    (`disable_weight_init` / `manual_cast`), with no scale, quantized layout or GGUF cast of its class."""
+    return (cls.forward in _CANONICAL_FORWARDS and
+            getattr(cls, "forward_comfy_cast_weights", None) in _CANONICAL_CAST_FORWARDS and
+            not callable(getattr(cls, "is_ggml_quantized", None)) and
+            (_FP8_OPS_LINEAR is None or not issubclass(cls, _FP8_OPS_LINEAR)) and
+            all(getattr(cls, name, None) is None for name in ("scale_weight", "scale_input", "layout_type")))
+
+
+def plain_weights(linear) -> Optional[tuple]:
+    """`(weight, bias)` as stored where `linear` is a plain layer: a `_plain_class` layer whose 2-D floating
+    weight (a plain tensor) and bias are its parameters, with nothing to apply (no cast flag, no LoRA weight or
+    bias function) and nothing else that the probes ask about (a scale, a layout); else None, and the full
+    probes answer (`not_row_sliceable`, `stored_weights`). For such a layer they give: rows exact, the weight
+    as stored where it is in the input's dtype and device. Read from the layer's own dicts: the probes of
+    every projection, MLP and output layer run at every call (host time)."""
+    cls = linear.__class__
+    plain = _plain_classes.get(cls)
+    if plain is None:
+        plain = _plain_classes[cls] = isinstance(linear, torch.nn.Module) and _plain_class(cls)
+    if not plain:
+        return None
+    own = linear.__dict__
+    params = own.get("_parameters")
+    if not params or not _PARAMETER_NAMES.issuperset(params) or own.get("_buffers") or own.get("_modules") or \
+            not own.keys().isdisjoint(_NOT_PLAIN_NAMES):
+        return None
+    weight, bias = params.get("weight"), params.get("bias")
+    if weight is None or weight.__class__ not in _PLAIN_TENSOR_TYPES or weight.dim() != 2 or \
+            not weight.dtype.is_floating_point or (bias is not None and bias.__class__ not in _PLAIN_TENSOR_TYPES) \
+            or (_QUANTIZED_TENSOR is not None and isinstance(weight.data, _QUANTIZED_TENSOR)):
+        return None
+    if own.get("comfy_cast_weights", getattr(cls, "comfy_cast_weights", False)) or \
+            own.get("weight_function", getattr(cls, "weight_function", None)) or \
+            own.get("bias_function", getattr(cls, "bias_function", None)):
+        return None
+    return weight, bias
+
+
 def not_row_sliceable(linear) -> Optional[str]:
     """None when rows of `linear`'s output can be computed exactly from row slices of its cast weight, else
     why not. Probes structure (attributes, dtypes), so an unknown layer degrades to "run whole"."""
+    if plain_weights(linear) is not None:
+        return None
     weight = module_attr(linear, "weight")
     if weight is None or not torch.is_tensor(weight) or weight.dim() != 2:
         return f"{type(linear).__name__} has no 2-D weight"
@@ -274,6 +323,11 @@ class CastLinear:
         """`sliceable`: `not_row_sliceable(linear)` where the caller has just asked it (not asked again)."""
         self._linear = linear
         self.weight = self.bias = None
+        plain = plain_weights(linear)
+        if plain is not None and plain[0].dtype == x.dtype and plain[0].device == x.device:
+            run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
+            self.own_format, (self.weight, self.bias) = None, plain   # `stored_weights`' common case
+            return
         self.own_format = not_row_sliceable(linear) if sliceable is _ASK else sliceable
         stored = stored_weights(linear, x) if self.own_format is None else None
         if stored is not None:   # the weight as stored: no cast (the common case, asked first)
@@ -370,12 +424,15 @@ class ComfyLinearRows(RowProjection):
     def __init__(self, linear):
         self.linear = linear
         self.out_features = getattr(linear, "out_features", None)
+        self._held: Optional[CastLinear] = None
+        if plain_weights(linear) is not None:   # rows exact, no format of its own (asked at every call: cheap)
+            self._reason = self._mode = None
+            return
         self._reason = not_row_sliceable(linear)
         quantized = self._reason is None and _is_quantized(module_attr(linear, "weight"))
         self._mode = quantized_rows_mode(linear)[0] if quantized else None   # "quantized", "dequantized", "weight_only"
         if self._reason is None and self._mode is None and fp8_matmul_rows(linear):
             self._mode = "fp8_matmul"
-        self._held: Optional[CastLinear] = None
 
     def not_row_sliceable(self) -> Optional[str]:
         return self._reason
@@ -420,6 +477,12 @@ def stored_weights(linear, x: torch.Tensor) -> Optional[tuple]:
     cast, no LoRA function, no scale, not GGUF), after ComfyUI's per-op hook as `CastLinear` runs it; else None.
     The same answer as `row_caster` (None) then `CastLinear` give for such a layer, in a few lookups: every
     projection of every call asks (host time before the first attention)."""
+    plain = plain_weights(linear)
+    if plain is not None:
+        if plain[0].dtype != x.dtype or plain[0].device != x.device:
+            return None
+        run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
+        return plain
     weight = module_attr(linear, "weight")
     if type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype != x.dtype or \
             weight.device != x.device or _needs_cast(linear) or dequantizes_itself(linear) or \

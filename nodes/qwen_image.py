@@ -203,11 +203,14 @@ class ChunkModulation:
     modulation, its split and `1 + scale` are made once for all chunks and each chunk is its one `addcmul`
     (the same operation on the same operands: the same numbers, two launches fewer a chunk)."""
 
-    def __init__(self, block, mod: torch.Tensor, zero_from: Optional[int]):
+    def __init__(self, block, mod: torch.Tensor, zero_from: Optional[int], parts: Optional[tuple] = None):
+        """`parts`: `(shift, 1 + scale, gate)` of `mod` where the caller made them (`modulation_parts`)."""
         self.block, self.mod, self.zero_from = block, mod, zero_from
         self.shift = self.scale = None
         self._fused_for = self._fused_args = None   # (norm, dtype, device, width) -> its `fused` arguments
-        if zero_from is None and getattr(type(block), "_modulate", None) is STOCK_MODULATE:
+        if parts is not None:
+            self.shift, self.scale = parts[0], parts[1]
+        elif zero_from is None and getattr(type(block), "_modulate", None) is STOCK_MODULATE:
             shift, scale, _ = torch.chunk(mod, 3, dim=-1)
             self.shift, self.scale = shift.unsqueeze(1), 1 + scale.unsqueeze(1)
 
@@ -234,12 +237,29 @@ class ChunkModulation:
         return fused if fused is not None else self(norm(x), a, b)
 
 
+def modulation_parts(block, mods: torch.Tensor, zero_from: Optional[int]) -> Optional[tuple]:
+    """A stream's two modulations `mods` `(B, 6C)` (`[shift, scale, gate] x 2`, as the block splits them) as
+    `((shift, 1 + scale, gate), (shift, 1 + scale, gate))`, each `(B, 1, C)`, where `ChunkModulation` and
+    `gated_add` take them: the block's own `_modulate`, one modulation for every token. The views of one
+    stream's modulations and one launch for the `1 + scale` that `_modulate` makes for each (the same sums),
+    where the split into halves, thirds and their unsqueezed views cost a block call ~20 views a stream (host
+    time). Else None."""
+    if zero_from is not None or getattr(type(block), "_modulate", None) is not STOCK_MODULATE or \
+            mods.dim() != 2 or mods.shape[-1] % 6:
+        return None
+    width = mods.shape[-1] // 6
+    items, plus_one = mods.unsqueeze(1), (1 + mods).unsqueeze(1)
+    return tuple((items.narrow(-1, first * width, width), plus_one.narrow(-1, (first + 1) * width, width),
+                  items.narrow(-1, (first + 2) * width, width)) for first in (0, 3))
+
+
 def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: Optional[int],
-                    scale: int = 1) -> torch.Tensor:
+                    scale: int = 1, parts: Optional[tuple] = None) -> torch.Tensor:
     """`_modulate(norm(x), mod)` in a fresh tensor like `x`: one launch where `ChunkModulation.fused` takes
     them (its only transient is its output), else made by token chunks (the norm's and the modulation's
-    transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`)."""
-    modulate = ChunkModulation(block, mod, zero_from)
+    transients are a chunk each; `scale`: chunks that many times larger, `block_parts.chunk_scale`).
+    `parts`: `mod`'s (`modulation_parts`), or None."""
+    modulate = ChunkModulation(block, mod, zero_from, parts)
     whole = modulate.fused(norm, x)   # one launch, no chunks needed
     if whole is not None:
         return whole
@@ -250,11 +270,12 @@ def modulated_input(block, norm, x: torch.Tensor, mod: torch.Tensor, zero_from: 
     return out
 
 
-def gated_add(mod: torch.Tensor, zero_from: Optional[int]):
+def gated_add(mod: torch.Tensor, zero_from: Optional[int], gate: Optional[torch.Tensor] = None):
     """`add_(part, out, a, b)`: `part += gate * out` for the chunk [a, b), the gate of `mod` ([shift, scale,
-    gate], as `_modulate` splits it); with `zero_from`, tokens from it on take the second half of the batch's
-    gate (the zero timestep's)."""
-    gate = mod.chunk(3, dim=-1)[2].unsqueeze(1)
+    gate], as `_modulate` splits it; `gate`: that gate `(B, 1, C)` where the caller has it); with `zero_from`,
+    tokens from it on take the second half of the batch's gate (the zero timestep's)."""
+    if gate is None or zero_from is not None:
+        gate = mod.chunk(3, dim=-1)[2].unsqueeze(1)
     gates = (gate,) if zero_from is None else gate.chunk(2, dim=0)
 
     def add_(part, out, a, b):
@@ -293,30 +314,37 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     image tokens from it on take the second half's modulation; the text takes the first half's)."""
     zero_from = timestep_zero_index
     img, txt, attn = hidden_states, encoder_hidden_states, block.attn
-    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0]).chunk(2, dim=-1)
+    img_mods = block.img_mod(temb)
+    txt_mods = block.txt_mod(temb if zero_from is None else temb.chunk(2, dim=0)[0])
+    (img_mod1, img_mod2), (txt_mod1, txt_mod2) = img_mods.chunk(2, dim=-1), txt_mods.chunk(2, dim=-1)
+    # (shift, 1 + scale, gate) of each modulation, where the block modulates as ComfyUI's does: views made once
+    (img_parts1, img_parts2), (txt_parts1, txt_parts2) = (modulation_parts(block, img_mods, zero_from) or (None, None),
+                                                          modulation_parts(block, txt_mods, None) or (None, None))
+    del img_mods, txt_mods
     text_tokens = txt.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
     scale = chunk_scale(attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1]),
                         SPLIT_CHUNK_SCALE)
-    handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale)],
-                  [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale)]]
+    handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale, txt_parts1)],
+                  [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale, img_parts1)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected
     attention = attend(attn, FORM, handed_off, attn.heads, attn.dim_head, config, transformer_options,
                        freqs=runtime_freqs(image_rotary_emb, text_tokens + img.shape[1]), mask=mask).flatten(2)
     del mask
     img_out, txt_out = img.clone(), txt.clone()   # the outputs: the updates are added into them in place
-    projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:], gated_add(img_mod1, zero_from),
-                         scale=scale)
-    projection_residual_(txt_out, attn.to_add_out, attention[:, :text_tokens], gated_add(txt_mod1, None),
-                         scale=scale)
+    gate = lambda parts: None if parts is None else parts[2]  # noqa: E731
+    projection_residual_(img_out, attn.to_out[0], attention[:, text_tokens:],
+                         gated_add(img_mod1, zero_from, gate(img_parts1)), scale=scale)
+    projection_residual_(txt_out, attn.to_add_out, attention[:, :text_tokens],
+                         gated_add(txt_mod1, None, gate(txt_parts1)), scale=scale)
     del attention
-    for out, norm, mlp, mod, zero in ((img_out, block.img_norm2, block.img_mlp, img_mod2, zero_from),
-                                      (txt_out, block.txt_norm2, block.txt_mlp, txt_mod2, None)):
-        modulate = ChunkModulation(block, mod, zero)
+    for out, norm, mlp, mod, zero, parts in (
+            (img_out, block.img_norm2, block.img_mlp, img_mod2, zero_from, img_parts2),
+            (txt_out, block.txt_norm2, block.txt_mlp, txt_mod2, None, txt_parts2)):
+        modulate = ChunkModulation(block, mod, zero, parts)
         mlp_residual_(out, feed_forward_layers(mlp),
                       lambda a, b, out=out, norm=norm, modulate=modulate: modulate.of(norm, out[:, a:b], a, b),
-                      gated_add(mod, zero), scale=scale)
+                      gated_add(mod, zero, gate(parts)), scale=scale)
     return txt_out, img_out
 
 

@@ -338,3 +338,28 @@ def test_sampling_an_edit_gives_the_same_latent(env, split_everything):
     # self-check's runs add a few of one head and ComfyUI's own of four)
     assert spy.self_heads.count(1) >= 3 * 2 * HEADS
     assert rel_err(ours, stock) <= 1e-5
+
+
+def test_a_streams_modulation_parts_are_the_blocks_own_bitwise(env, qwen):
+    """`modulation_parts`: a stream's shifts, `1 + scale`s and gates as views of its modulations and one sum,
+    the numbers ComfyUI's `_modulate` makes from each half (bf16, bitwise); the chunk modulation and the gated
+    add built on them give the block's own results. Not taken with a zero timestep's index."""
+    import torch
+    patcher = qwen_model()
+    block = patcher.model.diffusion_model.transformer_blocks[0].to(torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    width = block.img_norm1.normalized_shape[0]
+    mods = torch.randn(2, 6 * width, generator=g).to(torch.bfloat16)
+    x = torch.randn(2, 5, width, generator=g).to(torch.bfloat16)
+    out = torch.randn(2, 5, width, generator=g).to(torch.bfloat16)
+    assert qwen.modulation_parts(block, mods, 3) is None
+    parts = qwen.modulation_parts(block, mods, None)
+    for half, (shift, scale, gate) in zip(mods.chunk(2, dim=-1), parts):
+        stock_shift, stock_scale, stock_gate = torch.chunk(half, 3, dim=-1)
+        assert torch.equal(shift, stock_shift.unsqueeze(1)) and torch.equal(gate, stock_gate.unsqueeze(1))
+        assert torch.equal(scale, 1 + stock_scale.unsqueeze(1))
+        modulated, stock_gate = block._modulate(x, half)
+        assert torch.equal(qwen.ChunkModulation(block, half, None, (shift, scale, gate))(x, 0, 5), modulated)
+        residual = x.clone()
+        qwen.gated_add(half, None, gate)(residual, out, 0, 5)
+        assert torch.equal(residual, block._apply_gate(out, x, stock_gate))

@@ -228,6 +228,63 @@ def test_a_layer_computed_as_stored_is_projected_with_its_own_weight(env):
         assert ops.stored_weights(layer, x) is None
 
 
+def test_the_plain_layer_fast_path_answers_as_the_full_probes(env, monkeypatch):
+    """`comfy_ops.plain_weights`, read from a layer's own dicts at every call, gives `not_row_sliceable` and
+    `stored_weights` the answers their full probes give, for plain layers and for each thing that makes a layer
+    not plain (a cast flag, LoRA functions, a scale as buffer, parameter or attribute, another class, an fp8 or
+    integer weight, a GGUF-like cast, an overridden forward)."""
+    import comfy.ops
+    torch, ops = env.torch, env.ops
+
+    def layer(cls=comfy.ops.disable_weight_init.Linear, dtype=torch.float32, bias=True, **attributes):
+        made = cls(8, 6, bias=bias, dtype=dtype)
+        for name, value in attributes.items():
+            if isinstance(value, torch.nn.Parameter):
+                made.register_parameter(name, value)
+            elif name.startswith("buffer_"):
+                made.register_buffer(name[len("buffer_"):], value)
+            else:
+                setattr(made, name, value)
+        return made
+
+    class GGUFLike(comfy.ops.disable_weight_init.Linear):
+        def is_ggml_quantized(self):
+            return False
+
+        def cast_bias_weight(self, x):
+            return self.weight, self.bias
+
+    class OwnForward(comfy.ops.disable_weight_init.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    cases = {
+        "plain": layer(), "no bias": layer(bias=False), "bf16": layer(dtype=torch.bfloat16),
+        "manual cast": layer(comfy.ops.manual_cast.Linear), "cast flag": layer(comfy_cast_weights=True),
+        "weight function": layer(weight_function=[lambda w: w]), "bias function": layer(bias_function=[lambda b: b]),
+        "scale buffer": layer(buffer_scale_weight=torch.ones(())),
+        "scale parameter": layer(scale_weight=torch.nn.Parameter(torch.ones(()), requires_grad=False)),
+        "scale attribute": layer(scale_input=torch.ones(())), "fp8 weight": layer(dtype=torch.float8_e4m3fn),
+        "gguf-like": layer(GGUFLike), "own forward": layer(OwnForward), "torch Linear": layer(torch.nn.Linear),
+    }
+    if getattr(comfy.ops, "fp8_ops", None) is not None:
+        cases["fp8 ops"] = layer(comfy.ops.fp8_ops.Linear)
+    fast = {name: (ops.not_row_sliceable(made), [ops.stored_weights(made, torch.zeros(2, 8, dtype=dtype))
+                                                  for dtype in (torch.float32, torch.bfloat16)])
+            for name, made in cases.items()}
+    assert ops.plain_weights(cases["plain"]) == (cases["plain"].weight, cases["plain"].bias)
+    assert ops.plain_weights(cases["weight function"]) is None and ops.plain_weights(cases["gguf-like"]) is None
+    monkeypatch.setattr(ops, "plain_weights", lambda linear: None)   # the full probes alone
+    for name, made in cases.items():
+        full = (ops.not_row_sliceable(made), [ops.stored_weights(made, torch.zeros(2, 8, dtype=dtype))
+                                              for dtype in (torch.float32, torch.bfloat16)])
+        assert fast[name][0] == full[0], name
+        for got, expected in zip(fast[name][1], full[1]):
+            assert (got is None) == (expected is None), name
+            if got is not None:
+                assert got[0] is expected[0] and got[1] is expected[1], name
+
+
 def test_module_attr_reads_what_getattr_reads(env):
     """The probes' attribute lookup without `Module.__getattr__`'s failed lookups gives what `getattr` gives:
     instance attributes, parameters, buffers, submodules, class attributes, properties and methods, and the
