@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .launch import shared_launch
+from .launch import kept_across_calls, shared_launch
 
 try:  # Triton is optional: ComfyUI installs on Windows and Macs often have none
     import triton
@@ -297,13 +297,14 @@ class NormRopePass:
 
     __slots__ = ("_args", "_slots", "_layout", "_launch")
 
-    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool):
+    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool, launch=None):
+        """`launch`: the `CompiledLaunch` of these arguments where the caller has it (`_PassLayout`)."""
         self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
         self._args = tuple(None if arg is t else arg for arg in args)
         self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
         # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
         # launcher (`launch.shared_launch`)
-        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args)
+        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args) if launch is None else launch
 
     def fits(self, t: torch.Tensor) -> bool:
         """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""
@@ -317,13 +318,70 @@ class NormRopePass:
         self._launch.launch(args)
 
 
+def _placed(x: Optional[torch.Tensor]) -> Optional[tuple]:
+    """What a pass's arguments and launch depend on of a tensor: its layout, dtype, device, 16-byte alignment."""
+    return None if x is None else (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
+
+
+class _PassLayout:
+    """What `norm_rope_pass` works out for an in-place pass (no `into`, no `quantize_into`) from its tensors'
+    layouts alone, kept across calls for them (`launch.kept_across_calls`; no tensor held): the grid, the
+    meta-parameters, the non-tensor arguments and the `CompiledLaunch`, with where each tensor goes and how it is
+    viewed. A call's pass of a known layout is then its tensors put in place (`bind`), without the checks
+    (host time before a call's first attention: its q pass and first keys' pass)."""
+
+    __slots__ = ("args", "meta", "grid", "launch", "flat_weight", "flat_weight2", "contiguous_freqs", "declined")
+
+    def __init__(self, planned: Optional[NormRopePass], weight, weight2, freqs):
+        self.declined = planned is None
+        if planned is None:
+            return
+        self.args, self.launch = planned._args, planned._launch
+        self.flat_weight = weight is not None and weight.dim() != 1
+        self.flat_weight2 = weight2 is not None and weight2.dim() != 1
+        self.contiguous_freqs = freqs is not None and freqs.stride()[-3:] != (4, 2, 1)
+
+    def bind(self, t: torch.Tensor, inverse_rms, weight, weight2, freqs) -> NormRopePass:
+        """The pass of `t` with these tensors (laid out as the ones this was worked out for), viewed as
+        `norm_rope_pass` views them."""
+        args = list(self.args)
+        args[0] = args[5] = args[6] = t
+        args[1] = t if inverse_rms is None else inverse_rms.reshape(inverse_rms.shape[0], inverse_rms.shape[1])
+        args[2] = t if weight is None else (weight.reshape(-1) if self.flat_weight else weight)
+        args[3] = args[2] if weight2 is None else (weight2.reshape(-1) if self.flat_weight2 else weight2)
+        args[4] = t if freqs is None else (freqs.contiguous() if self.contiguous_freqs else freqs)
+        planned = NormRopePass.__new__(NormRopePass)
+        planned._slots = tuple(index for index in range(7) if args[index] is t)
+        planned._args = tuple(None if index < 7 and arg is t else arg for index, arg in enumerate(args))
+        planned._layout = (t.shape, t.stride(), t.dtype, t.device)
+        planned._launch = self.launch
+        return planned
+
+
 def norm_rope_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
                    weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
                    head_norm_eps: Optional[float] = None, weight2: Optional[torch.Tensor] = None,
                    split: Optional[int] = None, quantize_into: Optional[tuple] = None,
                    span_eps: Optional[float] = None, into: Optional[torch.Tensor] = None) -> Optional[NormRopePass]:
     """`norm_rope_launch`'s pass as a `NormRopePass` for `t`'s layout (same arguments), or None when the kernel
-    cannot take the call."""
+    cannot take the call. An in-place pass is worked out once for its tensors' layouts (`_PassLayout`)."""
+    if not can_run(t):
+        return None
+    if quantize_into is not None or into is not None:
+        return _worked_out_pass(t, inverse_rms, weight, freqs, head_norm_eps, weight2, split, quantize_into,
+                                span_eps, into)
+    key = (_PassLayout, _placed(t), _placed(inverse_rms), _placed(weight), _placed(weight2), _placed(freqs),
+           head_norm_eps, split, span_eps)
+    layout = kept_across_calls(key, lambda: _PassLayout(_worked_out_pass(
+        t, inverse_rms, weight, freqs, head_norm_eps, weight2, split, None, span_eps, None), weight, weight2, freqs))
+    return None if layout.declined else layout.bind(t, inverse_rms, weight, weight2, freqs)
+
+
+def _worked_out_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                     freqs: Optional[torch.Tensor], head_norm_eps: Optional[float], weight2: Optional[torch.Tensor],
+                     split: Optional[int], quantize_into: Optional[tuple], span_eps: Optional[float],
+                     into: Optional[torch.Tensor]) -> Optional[NormRopePass]:
+    """`norm_rope_pass` worked out from its checks."""
     if not can_run(t) or t.dim() != 4 or t.stride(-1) != 1 or t.shape[-1] % 2 or t.numel() == 0:
         return None
     if span_eps is not None and inverse_rms is not None:

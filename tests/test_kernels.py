@@ -151,6 +151,57 @@ def test_norm_rope_pass_is_worked_out_once_for_tensors_of_one_layout_in_the_inte
     assert "reused" in run_in_interpreter(PASS_REUSE)
 
 
+PASS_LAYOUT_KEPT = textwrap.dedent("""
+    import torch
+    from qkv_core import kernels, launch
+    assert kernels.INTERPRET and kernels.triton is not None
+    g = torch.Generator().manual_seed(4)
+    def tensors():
+        weight = (torch.randn(3, 32, generator=g) * 0.2 + 1)             # (h, D): viewed flat by the pass
+        weight2 = (torch.randn(3, 32, generator=g) * 0.2 + 1)
+        freqs = torch.randn(1, 37, 1, 2, 16, 2, generator=g).transpose(3, 4)   # not contiguous: copied
+        inverse = torch.rand(2, 37, 1, 1, generator=g) + 0.5
+        return torch.randn(2, 37, 3, 32, generator=g), weight, weight2, freqs, inverse
+    cases = [lambda t, w, w2, f, i: ((t, None, w, f, 1e-6), dict(weight2=w2, split=9)),
+             lambda t, w, w2, f, i: ((t, i, w, f), {}),
+             lambda t, w, w2, f, i: ((t, None, None, f), {}),
+             lambda t, w, w2, f, i: ((t, None, w[0], None), dict(span_eps=1e-6))]
+    for case in cases:
+        launch.forget_shared_launches()
+        first = tensors()
+        args, kwargs = case(*first)
+        made = kernels.norm_rope_pass(*args, **kwargs)            # worked out, its layout kept
+        second = tensors()
+        args2, kwargs2 = case(*second)
+        bound = kernels.norm_rope_pass(*args2, **kwargs2)         # bound to the kept layout
+        launch.forget_shared_launches()
+        fresh = kernels.norm_rope_pass(*args2, **kwargs2)         # worked out again for the same tensors
+        assert bound._launch is made._launch and bound._slots == fresh._slots
+        assert len(bound._args) == len(fresh._args)
+        for a, b in zip(bound._args, fresh._args):
+            assert (a is None) == (b is None)
+            if torch.is_tensor(a):
+                assert torch.equal(a, b) and a.shape == b.shape and a.stride() == b.stride()
+            else:
+                assert a == b and type(a) is type(b)
+        keys = args2[0]
+        want = keys.clone()
+        fresh.run(want)
+        bound.run(keys)
+        assert torch.equal(keys, want)
+    odd = torch.randn(1, 8, 2, 24)                                 # a head size the kernel declines, twice
+    assert kernels.norm_rope_pass(odd) is None and kernels.norm_rope_pass(odd) is None
+    print("kept", len(cases))
+""")
+
+
+def test_a_pass_layout_is_kept_and_bound_to_the_next_calls_tensors_in_the_interpreter():
+    """`norm_rope_pass` keeps what it works out of an in-place pass's layouts (`_PassLayout`): a later call of
+    the same layouts gets its own tensors in place (viewed and copied as the checks view them), the arguments
+    and numbers a pass worked out for them gives, and the kept compiled launch."""
+    assert "kept 4" in run_in_interpreter(PASS_LAYOUT_KEPT)
+
+
 def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
     if kernels.INTERPRET:
         pytest.skip("this process runs Triton's interpreter")
