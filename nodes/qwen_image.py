@@ -30,7 +30,7 @@ from . import compat
 from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
 from .block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
                           run_modulated_layer_norm)
-from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from .comfy_ops import chunk_tokens, module_attr, quantizes_inputs, token_ranges
 from .dispatch import attention_splits
 from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
@@ -104,23 +104,26 @@ def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
     """Qwen-Image's `FeedForward` (`net`: GELU(proj) with its approximation, Dropout(0), Linear) as the
     `Sequential(Linear, GELU, Linear)` it computes, over the model's own layers (nothing copied), or None
     for another MLP. The Sequential is what `block_parts.ChunkedMLP` casts once and runs by token chunks."""
-    net = getattr(mlp, "net", None)
+    # read through the modules' own dicts (asked at every block call: `Module.__getattr__` costs host time)
+    net = module_attr(mlp, "net")
     if not isinstance(net, torch.nn.ModuleList) or len(net) != 3:
         return None
-    gelu, dropout, down = net
+    gelu, dropout, down = net._modules.values()
     approximate = getattr(gelu, "approximate", None)
     if type(gelu) is not qwen_model.GELU or approximate not in ("none", "tanh") or \
-            _no_dropout(net, "1") is not None or getattr(down, "weight", None) is None:
+            not isinstance(dropout, torch.nn.Dropout) or (dropout.p != 0 and dropout.training) or \
+            module_attr(down, "weight") is None:
         return None
+    proj = module_attr(gelu, "proj")
     cached = _FEED_FORWARDS.get(mlp)
-    if cached is not None and cached[0] is gelu.proj and cached[2] is down and cached[1].approximate == approximate:
-        return cached
-    layers = torch.nn.Sequential(gelu.proj, torch.nn.GELU(approximate=approximate), down)
-    _FEED_FORWARDS[mlp] = layers
+    if cached is not None and cached[0] is proj and cached[1] is down and cached[2] == approximate:
+        return cached[3]
+    layers = torch.nn.Sequential(proj, torch.nn.GELU(approximate=approximate), down)
+    _FEED_FORWARDS[mlp] = (proj, down, approximate, layers)
     return layers
 
 
-# a FeedForward's Sequential, made once (building modules at every block call cost host time): kept while the
+# a FeedForward's Sequential (with the layers and approximation it was made of), made once (building modules at every block call cost host time): kept while the
 # FeedForward lives, remade when its layers change
 _FEED_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 

@@ -363,3 +363,20 @@ def test_a_streams_modulation_parts_are_the_blocks_own_bitwise(env, qwen):
         residual = x.clone()
         qwen.gated_add(half, None, gate)(residual, out, 0, 5)
         assert torch.equal(residual, block._apply_gate(out, x, stock_gate))
+
+
+def test_a_feed_forward_is_read_once_and_again_when_its_layers_change(env, qwen):
+    """`feed_forward_layers`: the FeedForward's own layers as one Sequential, the same object at every call, a
+    new one when a layer or the GELU's approximation changes; None for an active dropout."""
+    import torch
+    mlp = qwen_model().model.diffusion_model.transformer_blocks[0].img_mlp
+    layers = qwen.feed_forward_layers(mlp)
+    assert layers is qwen.feed_forward_layers(mlp)
+    assert layers[0] is mlp.net[0].proj and layers[2] is mlp.net[2] and layers[1].approximate == mlp.net[0].approximate
+    mlp.net[2] = torch.nn.Linear(mlp.net[2].in_features, mlp.net[2].out_features)
+    again = qwen.feed_forward_layers(mlp)
+    assert again is not layers and again[2] is mlp.net[2]
+    mlp.net[0].approximate = "none" if mlp.net[0].approximate == "tanh" else "tanh"
+    assert qwen.feed_forward_layers(mlp)[1].approximate == mlp.net[0].approximate
+    mlp.net[1] = torch.nn.Dropout(0.5).train()
+    assert qwen.feed_forward_layers(mlp) is None
