@@ -115,6 +115,8 @@ def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
             module_attr(down, "weight") is None:
         return None
     proj = module_attr(gelu, "proj")
+    if proj is None:
+        return None
     cached = _FEED_FORWARDS.get(mlp)
     if cached is not None and cached[0] is proj and cached[1] is down and cached[2] == approximate:
         return cached[3]
@@ -123,8 +125,8 @@ def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
     return layers
 
 
-# a FeedForward's Sequential (with the layers and approximation it was made of), made once (building modules at every block call cost host time): kept while the
-# FeedForward lives, remade when its layers change
+# a FeedForward's Sequential (with the layers and approximation it was made of), made once (building modules at
+# every block call cost host time): kept while the FeedForward lives, remade when its layers change
 _FEED_FORWARDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

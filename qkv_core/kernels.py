@@ -297,14 +297,13 @@ class NormRopePass:
 
     __slots__ = ("_args", "_slots", "_layout", "_launch")
 
-    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool, launch=None):
-        """`launch`: the `CompiledLaunch` of these arguments where the caller has it (`_PassLayout`)."""
+    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool):
         self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
         self._args = tuple(None if arg is t else arg for arg in args)
         self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
         # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
         # launcher (`launch.shared_launch`)
-        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args) if launch is None else launch
+        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args)
 
     def fits(self, t: torch.Tensor) -> bool:
         """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""
@@ -325,18 +324,19 @@ def _placed(x: Optional[torch.Tensor]) -> Optional[tuple]:
 
 class _PassLayout:
     """What `norm_rope_pass` works out for an in-place pass (no `into`, no `quantize_into`) from its tensors'
-    layouts alone, kept across calls for them (`launch.kept_across_calls`; no tensor held): the grid, the
-    meta-parameters, the non-tensor arguments and the `CompiledLaunch`, with where each tensor goes and how it is
+    layouts alone, kept across calls for them (`launch.kept_across_calls`; no tensor held): the non-tensor
+    arguments and the `CompiledLaunch` (its grid and meta-parameters), with where each tensor goes and how it is
     viewed. A call's pass of a known layout is then its tensors put in place (`bind`), without the checks
     (host time before a call's first attention: its q pass and first keys' pass)."""
 
-    __slots__ = ("args", "meta", "grid", "launch", "flat_weight", "flat_weight2", "contiguous_freqs", "declined")
+    __slots__ = ("args", "launch", "flat_weight", "flat_weight2", "contiguous_freqs", "declined")
 
     def __init__(self, planned: Optional[NormRopePass], weight, weight2, freqs):
         self.declined = planned is None
         if planned is None:
             return
-        self.args, self.launch = planned._args, planned._launch
+        # the tensors' places emptied: `bind` fills them with each call's own (nothing of this call is kept)
+        self.args, self.launch = (None,) * 7 + planned._args[7:], planned._launch
         self.flat_weight = weight is not None and weight.dim() != 1
         self.flat_weight2 = weight2 is not None and weight2.dim() != 1
         self.contiguous_freqs = freqs is not None and freqs.stride()[-3:] != (4, 2, 1)
