@@ -324,9 +324,9 @@ class CastLinear:
         self._linear = linear
         self.weight = self.bias = None
         plain = plain_weights(linear)
-        if plain is not None and plain[0].dtype == x.dtype and plain[0].device == x.device:
-            run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
-            self.own_format, (self.weight, self.bias) = None, plain   # `stored_weights`' common case
+        stored = None if plain is None else _stored_plain(plain, x)
+        if stored is not None:   # `stored_weights`' common case, the layer probed once
+            self.own_format, (self.weight, self.bias) = None, stored
             return
         self.own_format = not_row_sliceable(linear) if sliceable is _ASK else sliceable
         stored = stored_weights(linear, x) if self.own_format is None else None
@@ -479,10 +479,7 @@ def stored_weights(linear, x: torch.Tensor) -> Optional[tuple]:
     projection of every call asks (host time before the first attention)."""
     plain = plain_weights(linear)
     if plain is not None:
-        if plain[0].dtype != x.dtype or plain[0].device != x.device:
-            return None
-        run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
-        return plain
+        return _stored_plain(plain, x)
     weight = module_attr(linear, "weight")
     if type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype != x.dtype or \
             weight.device != x.device or _needs_cast(linear) or dequantizes_itself(linear) or \
@@ -490,6 +487,14 @@ def stored_weights(linear, x: torch.Tensor) -> Optional[tuple]:
         return None
     run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
     return weight, module_attr(linear, "bias")
+
+
+def _stored_plain(plain: tuple, x: torch.Tensor) -> Optional[tuple]:
+    """`stored_weights` of a plain layer (`plain_weights` gave `plain`)."""
+    if plain[0].dtype != x.dtype or plain[0].device != x.device:
+        return None
+    run_every_op()  # ComfyUI's interrupt check, as its own Linear.forward does
+    return plain
 
 
 def _plain_tensor(t) -> bool:
