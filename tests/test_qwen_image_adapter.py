@@ -362,7 +362,7 @@ def test_a_streams_modulation_parts_are_the_blocks_own_bitwise(env, qwen):
         assert torch.equal(qwen.ChunkModulation(block, half, None, (shift, scale, gate))(x, 0, 5), modulated)
         residual = x.clone()
         qwen.gated_add(half, None, gate)(residual, out, 0, 5)
-        assert torch.equal(residual, block._apply_gate(out, x, stock_gate))
+        assert torch.equal(residual, torch.addcmul(x, stock_gate, out))   # v0.33's `_apply_gate`
 
 
 def test_a_feed_forward_is_read_once_and_again_when_its_layers_change(env, qwen):
