@@ -153,9 +153,8 @@ def kept_across_calls(key: tuple, make: Callable[[], Any]) -> Any:
     """What `make()` returns for `key`, made once and kept beside the shared launches (the same bound of the
     most recently used, dropped with them by `forget_shared_launches`): a launch's worked-out arguments that
     the next call of the same layout would work out again (`inplace_attention.OverQueriesPass`,
-    `kernels._PassLayout`). `key` starts
-    with the kept object's class (no clash with `shared_launch`'s keys, which start with an int); what is kept
-    must hold no tensor."""
+    `kernels._PassLayout`). `key` starts with the kept object's class (no clash with `shared_launch`'s keys,
+    which start with an int); what is kept must hold no tensor."""
     found = _shared.get(key)
     if found is not None:
         _shared.move_to_end(key)
