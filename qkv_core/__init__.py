@@ -1,7 +1,7 @@
 """qkv_core: q/k/v projection and attention by groups of heads, with bounded transients.
 
 A model calls the runtime instead of projecting q/k/v itself and calling attention; owning the projections
-lets the runtime bound the memory they take. See SPEC.md / README.md. Never imports ComfyUI.
+lets the runtime bound the memory they take. See docs/design.md §2 and README.md. Never imports ComfyUI.
 """
 from .backends import (AttentionBackend, StagedCore, available_backends, backend_names, get_attention_backend,
                        native_prefix_kit, pay_attention, register_backend, resolve_backend, set_attention_backend,

@@ -1,4 +1,4 @@
-"""Attention backends behind one registry (SPEC §1.4).
+"""Attention backends behind one registry (docs/design.md §2.4).
 
 Every backend takes q `(batch, q_tokens, heads, head_dim)` and k, v `(batch, kv_tokens, kv_heads,
 head_dim)` (the runtime's layout; strided views are fine) and returns `(batch, q_tokens, heads, head_dim)`.
@@ -265,7 +265,7 @@ class SageBackend(AttentionBackend):
 
 
 class StagedCore:
-    """A SageAttention core whose quantizers run separately from its attention (SPEC §1.4).
+    """A SageAttention core whose quantizers run separately from its attention (docs/design.md §2.4).
 
     The runtime calls `staged_quantize_v`, then `staged_quantize_k`, then `staged_quantize_q`, each with a
     one-element list it hands off (the core clears it and keeps only the quantized form), then

@@ -1,4 +1,5 @@
-"""`capture_kv`: the keys and values of a range of a call's key/value tokens, kept for later calls (SPEC §1.7).
+"""`capture_kv`: the keys and values of a range of a call's key/value tokens, kept for later calls
+(docs/design.md §2.7).
 
 A model that runs its reference tokens (reference images, a history) with the rest of the sequence at the first
 sampler step passes `capture_kv=(layer, start, stop)`; the call gathers those tokens' keys and values, normalized

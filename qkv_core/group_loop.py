@@ -1,4 +1,5 @@
-"""The group loop: projection and attention of one call, a group of heads at a time (SPEC §1.2, §1.3, §1.5).
+"""The group loop: projection and attention of one call, a group of heads at a time (docs/design.md §2.2,
+§2.3, §2.5).
 
 Two paths per group:
 - plain (`GroupLoop.attend`): q, then k, then v, each normalized as soon as it is projected, then the backend's

@@ -1,11 +1,11 @@
-"""Attention Head Split: how many groups of heads a call is attended in (SPEC §1.3).
+"""Attention Head Split: how many groups of heads a call is attended in (docs/design.md §2.3).
 
 Levels Off/Low/Medium/High (the integers 0-3, or their names) target 1/4/8/16 groups. The group count is the
 divisor of `kv_heads` closest to the target (ties: the smaller), so every group holds whole key/value heads
 and the query heads that share them. Sequences under `SPLIT_FLOOR_TOKENS` query tokens of one batch item are
-never split: there is little to save and the extra launches cost time. (SPEC §1.3 counts all batch items
-together; measured on whole models on an H200, cond + uncond of 1 MP images then split and ran 1.2-8.4x
-stock's time for ~0.5 GiB, so the runtime counts one item: docs/benchmarks.md, "Whole models of every family".)
+never split: there is little to save and the extra launches cost time. (Counted per item: on whole models on
+an H200, cond + uncond of 1 MP images counted together were split and ran 1.2-8.4x stock's time for ~0.5 GiB;
+docs/benchmarks.md#family-models.)
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Repeated Triton launches with less host time (SPEC §1.5: a head group's launches are host-bound at short lengths).
+"""Repeated Triton launches with less host time (docs/design.md §2.5: a head group's launches are host-bound
+at short lengths).
 
 `kernel[grid](*args, **meta)` binds every argument, builds the specialization key, looks the compiled kernel up
 and then calls its launcher: about 18 µs of host time on an H200's host, where the launcher alone takes about 6
-(measured with `.device`-style microbenchmarks, docs/benchmarks.md). A head group's norm pass and attention are
+(measured with microbenchmarks, docs/benchmarks.md#families). A head group's norm pass and attention are
 launched once per group with the same arguments but their tensors, so `CompiledLaunch` launches through Triton's
 own path once, keeps the compiled kernel it returns, and calls that kernel's launcher directly afterwards.
 
@@ -20,7 +21,7 @@ The caller promises the rest: the same non-tensor arguments, tensors of the same
 `shared_launch` keeps one `CompiledLaunch` per kernel, grid, meta-parameters and arguments (non-tensor values,
 tensors' dtypes, devices and alignment) across calls: a block's next call launches its first norm pass and its
 first attention straight away too (through Triton, each was 50–90 µs of host time on the critical path before
-the GPU has work: docs/benchmarks.md).
+the GPU has work: docs/benchmarks.md#families).
 """
 from __future__ import annotations
 

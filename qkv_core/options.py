@@ -37,7 +37,7 @@ class AttentionOptions:
     softmax_scale: Optional[float] = None
     # 0-3 or "off", "low", "medium", "high"; default: the process-wide level
     head_split_level: Optional[Level] = None
-    # fused norm + RoPE + quantize for staged cores (SPEC 1.5)
+    # fused norm + RoPE + quantize for staged cores (docs/design.md §2.5)
     fused_quant: Optional[Callable] = None
     # norm_key_into(key, dest, group) -> bool: k's norm and RoPE written into `dest` (key's shape) instead of
     # in place, False (nothing done) where it cannot; a call that reuses its input (`reuse_input`) then writes

@@ -1,4 +1,4 @@
-"""Key/value prefixes kept across sampler steps (SPEC §1.6, §1.7).
+"""Key/value prefixes kept across sampler steps (docs/design.md §2.6, §2.7).
 
 A prefix is keys and values computed beforehand (reference images, a history, a text context), already
 normalized and rotated, `(batch, prefix_tokens, kv_heads, head_dim)`, attended before the projected keys. It

@@ -1,4 +1,4 @@
-"""A call's `kv_prefix` joined in front of one group's keys or values (SPEC §1.6, §1.7).
+"""A call's `kv_prefix` joined in front of one group's keys or values (docs/design.md §2.6, §2.7).
 
 The prefix forms (prefix.py): a 16-bit pair `(key, value)`, each `(1 or batch, prefix tokens, kv_heads, head_dim)`;
 a q8 `KVPrefix` (int8 values, float16 scales `(..., head_dim // 32)`), dequantized straight into the joined

@@ -1,4 +1,4 @@
-"""The q8 key/value format and log-sum-exp merges (SPEC §1.6): one Triton pass each on CUDA (`kernels`), else
+"""The q8 key/value format and log-sum-exp merges (docs/design.md §2.6): one Triton pass each on CUDA (`kernels`), else
 these PyTorch paths (the same math).
 
 q8: int8 `(batch, tokens, heads, head_dim)` with FP16 scales `(batch, tokens, heads, head_dim // 32)`; each

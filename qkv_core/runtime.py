@@ -1,4 +1,4 @@
-"""The calls: q/k/v projection and attention by groups of heads (SPEC §1.1-1.3, §1.8).
+"""The calls: q/k/v projection and attention by groups of heads (docs/design.md §2.1-2.3, §2.8).
 
 Hand-off: every tensor-taking entry point takes its tensors inside lists that it clears, so the runtime
 holds the only references and frees each input as soon as the projections no longer need it. Nothing is
@@ -219,7 +219,7 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     `q_proj`, `k_proj`, `v_proj`: `torch.nn.Linear`, `RowProjection` or any callable (run whole). k and v
     produce `kv_heads * head_dim` features. `norm_rope(query, key, group)` normalizes and rotates in place
     (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
-    `attention_fn` also receives. Options: the fields of `AttentionOptions` (qkv_core/options.py), SPEC §1.1.
+    `attention_fn` also receives. Options: the fields of `AttentionOptions` (qkv_core/options.py), docs/design.md §2.1.
     """
     require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = take_activation(x_list, "x_list")

@@ -1,5 +1,5 @@
-"""SageAttention's staged cores (SPEC §1.4): its quantizers run as the runtime hands each tensor over, then its
-attention kernel writes the group's heads of the call's output.
+"""SageAttention's staged cores (docs/design.md §2.4): its quantizers run as the runtime hands each tensor
+over, then its attention kernel writes the group's heads of the call's output.
 
 `Sage1Core`: SageAttention 1 (PyPI `sageattention==1.0.6`, Triton). Its `sageattn` converts v to fp16, smooths k
 by its mean over the tokens (in the caller's tensor, in place), quantizes q and k to int8 by blocks of tokens (128

@@ -1,6 +1,6 @@
-"""SageAttention 2's staged core (SPEC §1.4): its quantizers run as the runtime hands each of v, k, q over, then
-its attention kernel writes the group's heads of the call's output. Built by users from thu-ml/SageAttention (not
-on PyPI); its kernels are imported from the installed package, never copied here.
+"""SageAttention 2's staged core (docs/design.md §2.4): its quantizers run as the runtime hands each of v, k,
+q over, then its attention kernel writes the group's heads of the call's output. Built by users from
+thu-ml/SageAttention (not on PyPI); its kernels are imported from the installed package, never copied here.
 
 Kernel modes, chosen per call by `Sage2Core.settings` as `sageattn` chooses its kernels by GPU:
 - "sm90" (compute capability 9.0, unmasked): what `sageattn` runs on Hopper (`sageattn_qk_int8_pv_fp8_cuda_sm90`):

@@ -1,4 +1,5 @@
-"""The statistics pass: per-token mean squares of q and k over all heads, for a norm that spans heads (SPEC §1.2).
+"""The statistics pass: per-token mean squares of q and k over all heads, for a norm that spans heads
+(docs/design.md §2.2).
 
 Wan's RMSNorm normalizes q and k over their full width, but a split call projects them a group of heads at a
 time. So before the first group, this pass computes each token's mean of squares over every head of q and of k,

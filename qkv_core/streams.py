@@ -1,4 +1,4 @@
-"""The token streams of one call and their projections by ranges of heads (SPEC §1.1-1.3).
+"""The token streams of one call and their projections by ranges of heads (docs/design.md §2.1-2.3).
 
 A `TokenStream` is one input `(batch, tokens, features)` and the projections that read it. `CallStreams` is all
 the streams of a call (the query streams and the key/value streams; one stream may be both) and projects them by

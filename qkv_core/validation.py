@@ -1,4 +1,4 @@
-"""Checks of a call's arguments, before any work: each is a `ValueError` that names the fix (SPEC §1.1).
+"""Checks of a call's arguments, before any work: each is a `ValueError` that names the fix (docs/design.md §2.1).
 
 Order matters where a check has a side effect or reads the result of another: a call runs `validate_call`, then
 resolves a `PrefixLayer` (`prefix_join.resolve_prefix`), then `validate_prefix`, then `validate_mask` (which may

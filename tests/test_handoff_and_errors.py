@@ -1,4 +1,5 @@
-"""Hand-off of the inputs (SPEC §1.1), every error the runtime raises, and backend fallbacks (SPEC §1.4)."""
+"""Hand-off of the inputs (docs/design.md §2.1), every error the runtime raises, and backend fallbacks
+(docs/design.md §2.4)."""
 from __future__ import annotations
 
 import gc

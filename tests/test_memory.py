@@ -1,4 +1,4 @@
-"""Peak working set of a self-attention call on CPU (SPEC §1.3, §3), measured by MemTracker in bf16.
+"""Peak working set of a self-attention call on CPU (docs/design.md §2.3, §4), measured by MemTracker in bf16.
 
 Wan-like width: 8 heads x 128, 16384 tokens, batch 1, a spanning RMSNorm (all heads) + RoPE applied through
 `rows_`. The working set is the most memory the call holds at once above what is live before it (the input

@@ -1,6 +1,7 @@
 """`capture_kv`: a call hands the normalized, rotated keys and values of a range of its key/value tokens to a
-`PrefixLayer` (reference images kept across sampler steps, SPEC §1.7), and a later call that leaves those tokens
-out attends them as its `kv_prefix`: the same attention, to float round-off (16 bits) or to q8's error."""
+`PrefixLayer` (reference images kept across sampler steps, docs/design.md §2.7), and a later call that leaves
+those tokens out attends them as its `kv_prefix`: the same attention, to float round-off (16 bits) or to q8's
+error."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Row projections beyond `rows()` (SPEC §1.1-1.3): rows of a token range written straight into a buffer
+"""Row projections beyond `rows()` (docs/design.md §2.1-2.3): rows of a token range written straight into a buffer
 (`rows_into`, used for q of every head into the output buffer and for the full-width key statistics), checked
 against `F.linear` of the same rows in float64."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The q8 key/value format, log-sum-exp merges and the prefix cache (SPEC §1.6, §1.7), PyTorch paths."""
+"""The q8 key/value format, log-sum-exp merges and the prefix cache (docs/design.md §2.6, §2.7), PyTorch paths."""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,4 @@
-"""Numerics of the runtime against the float64 reference (SPEC §1.1-1.3, §1.6, §1.8).
+"""Numerics of the runtime against the float64 reference (docs/design.md §2.1-2.3, §2.6, §2.8).
 
 Every configuration is run at each head-split level 0-3 and compared with one float64 reference (tight
 float32 tolerance), and the split levels are compared with level 0 (the unsplit SDPA path) to float round-off.

@@ -1,4 +1,4 @@
-"""The staged-core seam (SPEC §1.4, §1.5): a fake StagedCore behind a fake backend.
+"""The staged-core seam (docs/design.md §2.4, §2.5): a fake StagedCore behind a fake backend.
 
 The fake quantizers are the identity (they keep the 16-bit tensors they are handed) and log their calls;
 the fake projections log when rows are computed, so the order "v, then k, then q, each quantized as soon as
