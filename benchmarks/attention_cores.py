@@ -1,5 +1,5 @@
 """One attention call and a native prefix on CUDA: PyTorch's SDPA, SageAttention's own `sageattn` (the installed
-version) and the pack's staged core, time and peak memory (issue 11's table in docs/benchmarks.md).
+version) and the pack's staged core, time and peak memory (docs/benchmarks.md#sage2).
 
     python -m benchmarks.attention_cores [--tokens 75600] [--heads 40] [--dim 128] [--prefix 3600]
 
