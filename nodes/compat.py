@@ -9,15 +9,17 @@ of the pack's when:
 The self-check runs at the first call of each signature (module kind, the stock forwards' functions, layer
 types, dtypes, device, the patch hooks present in `transformer_options`, the node's settings): ComfyUI's
 forward and the pack's run on the first `CHECK_TOKENS` tokens of one batch item of the real inputs, with the
-head split forced even at that size, and their outputs are compared. Patch hooks present in
+head split forced even at that size, and both outputs are measured against the same module in float32 with
+its weights dequantized (`exact_reference`): the pack's passes when it is no farther from that than ComfyUI's
+own, within a margin (`compare`), so each weight format is judged by its own noise. Patch hooks present in
 `transformer_options["patches"]` are replaced by probes for the check (other nodes' hooks never run on check
 inputs): when ComfyUI's forward calls a hook the pack's does not, the outputs differ and the pack steps
 aside. So a ComfyUI release that keeps the math keeps the savings, and one that changes it (a new hook, a new
 norm, a new argument) runs stock, with one log line, never with other numbers.
 
 Verdicts are kept for the process, keyed by the function objects (an edited or reloaded ComfyUI is checked
-again). The cost is one stock and one patched forward of a few hundred tokens per signature: next to a
-sampling step of a long sequence, nothing.
+again). The cost is one stock, one float32 and one patched forward of a few hundred tokens per signature: next
+to a sampling step of a long sequence, nothing.
 """
 from __future__ import annotations
 
@@ -26,14 +28,26 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+import comfy.ops
+
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import not_counted
 from .dispatch import split_floor
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 CHECK_TOKENS = 256
-# Relative tolerance of the self-check, on the part of the output the module adds (see `compare`): float32
-# round-off of the pack's reordered sums is ~1e-6; a change of math moves the result by far more than these.
+# How the self-check judges (see `compare`). ComfyUI's forward and the pack's are both measured against the same
+# module run in float32 with its weights dequantized and its inputs unquantized (`exact_reference`): the pack's
+# distance may be at most (1 + CHECK_MARGIN) x ComfyUI's own plus a round-off of the output's dtype, times the
+# norm of the update the module adds. Both distances are the format's noise (bf16 rounding, an fp8 or int8
+# input quantization, a GGUF block scale): reordered sums draw new noise of the same size, a change of math
+# adds a distance of its own. Measured on the CPU (tiny Wan block, fp8-scaled, bf16): stock and pack 3.9 % from
+# the float32 reference each and 2.8 % from each other, whatever the negative prompt; bf16 weights 0.8 % each.
+CHECK_MARGIN = 0.25
+CHECK_ROUND_OFF = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+# Without a reference (the module does not run in float32): ComfyUI's output is the reference, with these
+# relative tolerances on the update. Float32 round-off of the pack's reordered sums is ~1e-6; a change of math
+# moves the result by far more.
 CHECK_RTOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 CHECK_RTOL_16BIT = 2e-2
 # the share of tokens a routed block's check leaves out (`compare(routed=True)`): in 16 bits a few of 256 check
@@ -118,35 +132,57 @@ def probe_options(transformer_options: dict) -> dict:
     return {**transformer_options, "patches": probed}
 
 
-def _without_rerouted(stock64: torch.Tensor, ours64: torch.Tensor, update: torch.Tensor) -> tuple:
-    """The three tensors without the `ROUTED_SHARE` of tokens (rows over the last dimension) where `ours` is
-    farthest from `stock` (at least one token)."""
-    rows = ours64.reshape(-1, ours64.shape[-1])
-    error = (rows - stock64.reshape(rows.shape)).norm(dim=-1)
-    drop = max(1, int(ROUTED_SHARE * rows.shape[0]))
-    keep = error.argsort()[:max(rows.shape[0] - drop, 1)]
-    return (stock64.reshape(rows.shape)[keep], rows[keep], update.reshape(rows.shape)[keep])
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+def _without_rerouted(error: torch.Tensor, *tensors: torch.Tensor) -> tuple:
+    """`tensors` (rows over the last dimension) without the `ROUTED_SHARE` of rows where `error` (one value a row)
+    is largest (at least one row)."""
+    drop = max(1, int(ROUTED_SHARE * error.shape[0]))
+    keep = error.argsort()[:max(error.shape[0] - drop, 1)]
+    return tuple(_rows(t)[keep] for t in tensors)
+
+
+def _parts(stock, ours, base, reference):
+    """(stock, ours, base, reference) part by part for outputs that are tuples (several streams), or the error
+    that the structures differ."""
+    if not isinstance(ours, (tuple, list)) or len(ours) != len(stock):
+        return "the outputs have another structure"
+    bases = base if isinstance(base, (tuple, list)) else (None,) * len(stock)
+    references = reference if isinstance(reference, (tuple, list)) and len(reference) == len(stock) \
+        else (None,) * len(stock)
+    return list(zip(stock, ours, bases, references))
 
 
 def compare(stock, ours, base: Optional[torch.Tensor] = None, quantized: bool = False,
-            routed: bool = False) -> Optional[str]:
-    """None when `ours` equals `stock` to round-off, else why not. Tensors or tuples of tensors. `base`: the
-    module's input when its output is input + update (a block): the tolerance is relative to the update, so
-    a changed update is not hidden behind a large residual. 16-bit outputs are allowed their own rounding,
-    and so are modules with layers that quantize their input (fp8-scaled, int8): float round-off before
-    such a layer moves a few of its inputs by one quantization step. `routed`: a block that routes each token
-    to some of its experts (a mixture of experts): round-off flips the choice of tokens near a tie, so the
-    `ROUTED_SHARE` of tokens farthest apart are left out and the rest must agree to round-off."""
+            routed: bool = False, reference=None) -> Optional[str]:
+    """None when `ours` computes what `stock` (ComfyUI's forward) computes, within the format's noise, else why
+    not. Tensors or tuples of tensors. `base`: the module's input when its output is input + update (a block):
+    distances are relative to the update, so a changed update is not hidden behind a large residual.
+
+    `reference`: the same module's output in float32 with dequantized weights and unquantized inputs
+    (`exact_reference`). Then both outputs are measured against it and `ours` passes when its distance is at
+    most (1 + `CHECK_MARGIN`) x stock's plus `CHECK_ROUND_OFF` of the output's dtype: each weight format is
+    judged by its own noise (an fp8 input quantization moves a few values a step whenever float round-off
+    before it differs, by several per cent of the update for both forwards alike), and a change of math adds a
+    distance that stock's does not have. Without a reference ComfyUI's output is the reference: float32 and
+    float64 outputs within `CHECK_RTOL`, others (and modules with layers that quantize their input,
+    `quantized`) within `CHECK_RTOL_16BIT` plus their own rounding of the output.
+
+    `routed`: a block that routes each token to some of its experts (a mixture of experts): round-off flips the
+    choice of tokens near a tie, so the `ROUTED_SHARE` of tokens farthest apart are left out and the rest must
+    agree."""
     if stock is None and ours is None:   # a part both forwards leave out (SD3's last context: None)
         return None
     if stock is None or ours is None:
         return "one output is None, the other is not"
     if isinstance(stock, (tuple, list)):
-        if not isinstance(ours, (tuple, list)) or len(ours) != len(stock):
-            return "the outputs have another structure"
-        bases = base if isinstance(base, (tuple, list)) else (None,) * len(stock)
-        for a, b, part_base in zip(stock, ours, bases):
-            reason = compare(a, b, part_base, quantized=quantized, routed=routed)
+        parts = _parts(stock, ours, base, reference)
+        if isinstance(parts, str):
+            return parts
+        for a, b, part_base, part_reference in parts:
+            reason = compare(a, b, part_base, quantized=quantized, routed=routed, reference=part_reference)
             if reason:
                 return reason
         return None
@@ -155,18 +191,31 @@ def compare(stock, ours, base: Optional[torch.Tensor] = None, quantized: bool = 
                 f"{tuple(stock.shape)} {stock.dtype}")
     if not bool(torch.isfinite(stock).all()):
         return "ComfyUI's own output is not finite on the check input: nothing to compare against"
+    usable = torch.is_tensor(reference) and reference.shape == stock.shape and bool(torch.isfinite(reference).all())
     stock64, ours64 = stock.double(), ours.double()
-    update = stock64 if base is None or base.shape != stock.shape else stock64 - base.double()
+    exact64 = reference.double() if usable else stock64
+    residual = base is not None and base.shape == stock.shape
+    update = exact64 - base.double() if residual else exact64
     if routed and stock.dim() >= 2 and stock.shape[-2] > 1:
-        stock64, ours64, update = _without_rerouted(stock64, ours64, update)
-    difference = float((ours64 - stock64).norm())
+        error = (_rows(ours64) - _rows(exact64)).norm(dim=-1)
+        if usable:
+            error = torch.maximum(error, (_rows(stock64) - _rows(exact64)).norm(dim=-1))
+        stock64, ours64, exact64, update = _without_rerouted(error, stock64, ours64, exact64, update)
+    scale = float(update.norm())
+    ours_distance = float((ours64 - exact64).norm())
+    if usable:
+        stock_distance = float((stock64 - exact64).norm())
+        allowed = (1 + CHECK_MARGIN) * stock_distance + CHECK_ROUND_OFF.get(stock.dtype, 4e-3) * scale
+        if not ours_distance <= allowed:
+            return (f"the outputs differ (relative difference {ours_distance / max(scale, 1e-30):.3g} from the "
+                    f"float32 reference, ComfyUI's own {stock_distance / max(scale, 1e-30):.3g})")
+        return None
     if stock.dtype in CHECK_RTOL and not quantized:
-        allowed = CHECK_RTOL[stock.dtype] * float(update.norm())
+        allowed = CHECK_RTOL[stock.dtype] * scale
     else:
-        allowed = CHECK_RTOL_16BIT * float(update.norm()) + torch.finfo(stock.dtype).eps * float(stock64.norm())
-    if not difference <= allowed:
-        relative = difference / max(float(update.norm()), 1e-30)
-        return f"the outputs differ (relative difference {relative:.3g})"
+        allowed = CHECK_RTOL_16BIT * scale + torch.finfo(stock.dtype).eps * float(stock64.norm())
+    if not ours_distance <= allowed:
+        return f"the outputs differ (relative difference {ours_distance / max(scale, 1e-30):.3g})"
     return None
 
 
@@ -182,25 +231,79 @@ def known_verdict(signature) -> tuple[bool, Optional[str]]:
 
 
 def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None,
-               quantized: bool = False, routed: bool = False) -> Optional[str]:
-    """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` equals
-    `run_stock()` (see `compare`), else the reason. `functions`: the stock forward functions the verdict is
-    about (their overall record feeds `all_checked`). `quantized`: the module has layers that quantize their
-    input; `routed`: it routes tokens to experts (see `compare`)."""
+               quantized: bool = False, routed: bool = False,
+               run_reference: Optional[Callable] = None) -> Optional[str]:
+    """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` computes what
+    `run_stock()` does (see `compare`, against `run_reference()` where given and it runs), else the reason.
+    `functions`: the stock forward functions the verdict is about (their overall record feeds `all_checked`).
+    `quantized`: the module has layers that quantize their input; `routed`: it routes tokens to experts (see
+    `compare`)."""
     if signature in _verdicts:
         return _verdicts[signature]
     try:
         with torch.no_grad(), not_counted():   # the check is not part of the run the report counts
             with _Reference():
                 stock = run_stock()
+            reference = _reference_or_none(run_reference)
             ours = run_ours()
-            reason = compare(stock, ours, base, quantized, routed)
+            reason = compare(stock, ours, base, quantized, routed, reference=reference)
     except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, never a crash
         reason = f"the check raised {type(error).__name__}: {error}"
     _verdicts[signature] = reason
     for fn in functions:
         _function_verdicts[fn] = _function_verdicts.get(fn, True) and reason is None
     return reason
+
+
+def _reference_or_none(run_reference: Optional[Callable]):
+    """`run_reference()` under `_Reference` (the pack's forwards inside run ComfyUI's), or None where there is
+    none or it cannot run (a layer that does not compute in float32): the check then judges against ComfyUI's
+    output alone."""
+    if run_reference is None:
+        return None
+    try:
+        with _Reference():
+            return run_reference()
+    except Exception:  # noqa: BLE001 - no reference: `compare` falls back to ComfyUI's output
+        return None
+
+
+# Weights of ComfyUI's ops (and of ops built on them: mixed precision, GGUF) are cast to their input's dtype on
+# every call when these flags are set; `comfy_force_cast_weights` also keeps a mixed-precision layer from
+# quantizing its input. ComfyUI sets the first itself for low-VRAM loads.
+_CAST_FLAGS = ("comfy_cast_weights", "comfy_force_cast_weights")
+_CAST_OP = getattr(comfy.ops, "CastWeightBiasOp", None)
+
+
+def _as_float32(value):
+    if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.float()
+    return value
+
+
+def exact_reference(module, forward: Callable, inputs: dict):
+    """`forward(**inputs)` (ComfyUI's forward of `module`) nearer the exact math: floating inputs in float32 and
+    every ComfyUI layer under `module` casting its weight to float32 at its call (fp8, int8 and GGUF weights
+    dequantized, no input quantized: the layers' own casts, LoRA weight functions applied). Each layer's flags
+    are restored afterwards, whatever happens. Costs one forward of the check tokens in float32, one layer's
+    float32 weight at a time."""
+    if _CAST_OP is None:
+        raise RuntimeError("this ComfyUI has no CastWeightBiasOp")
+    layers = [layer for layer in module.modules() if isinstance(layer, _CAST_OP)]
+    saved = [(layer, {name: layer.__dict__[name] for name in _CAST_FLAGS if name in layer.__dict__})
+             for layer in layers]
+    try:
+        for layer in layers:
+            for name in _CAST_FLAGS:
+                setattr(layer, name, True)
+        return forward(**{name: _as_float32(value) for name, value in fresh_inputs(inputs).items()})
+    finally:
+        for layer, own in saved:
+            for name in _CAST_FLAGS:
+                if name in own:
+                    setattr(layer, name, own[name])
+                else:
+                    layer.__dict__.pop(name, None)
 
 
 SHORT_CALL_NOTICE = "ComfyUI's own forward on short sequences"
@@ -409,11 +512,12 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
             base = inputs[residual].clone() if residual is not None else None
         return self_check(call_signature, functions(), lambda: stock(**fresh_inputs(inputs)),
                           lambda: checked(**fresh_inputs(inputs)), base=base,
-                          quantized=bool(quantized and quantized()), routed=routed)
+                          quantized=bool(quantized and quantized()), routed=routed,
+                          run_reference=lambda: exact_reference(module, stock, inputs))
 
     return guarded(what, stock, ours, refuse, check)
 
 
-__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "probe_options", "mark_ours",
+__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "exact_reference", "probe_options", "mark_ours",
            "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
            "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature", "module_tree", "ModuleTree", "fresh_inputs", "hooks_set", "hooks_refusal"]

@@ -19,7 +19,7 @@ class QKVPatch(io.ComfyNode):
             description="Runs the model's q/k/v projection and attention through ComfyUI-QKV: attention by groups "
                         "of heads and block-level bounds on every transient, for less VRAM at the same "
                         "results. Put it after the model loader. Adapted: Wan, Flux (1, 2, Chroma), HunyuanVideo, "
-                        "Qwen-Image, LTX-Video, Lumina 2 / Z-Image, Kandinsky 5, SD3.5, Cosmos; other models get "
+                        "Qwen-Image, LTX-Video, Lumina 2 / Z-Image, Kandinsky 5, SD3.5, Cosmos, HiDream; other models get "
                         "the attention kernel only; anything unsupported passes through unchanged.",
             inputs=[
                 io.Model.Input("model"),

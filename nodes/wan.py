@@ -229,7 +229,7 @@ def _projected_once(linear, context: torch.Tensor, norm=None) -> WholeProjection
 CROSS_CHUNK_FRACTION = 8
 # On CUDA with Triton the chunk's norm runs fused and no attention holds a score matrix: chunks twice as large
 # keep the block's peak (H200, Wan 14B 720p x 81: 2.20 x |x| either way) in half the cross-attention launches,
-# whose short tails cost time (block 226.6 -> 225.8 ms interleaved; docs/benchmarks.md, seventh session).
+# whose short tails cost time (block 226.6 -> 225.8 ms interleaved, H200, 2026-12-02).
 CUDA_CROSS_CHUNK_FRACTION = 4
 FFN_CHUNK_FRACTION = 2   # one FFN chunk's hidden activation holds at most |x| / 2 elements
 

@@ -746,15 +746,22 @@ def make_wan(kind="t2v", dim=128, heads=4, layers=2, ffn_dim=None, text_dim=32, 
     return patcher
 
 
+FP8_LAYOUTS = ("comfy_quant", "scaled_fp8")
+
+
 def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True, fmt="float8_e4m3fn",
-                        full_precision_mm=False, seed=0, dtype=None, **extra_config):
+                        full_precision_mm=False, seed=0, dtype=None, layout="comfy_quant", **extra_config):
     """Tiny Wan loaded the way ComfyUI loads an fp8-scaled checkpoint (Comfy-Org's `*_fp8_scaled` files):
     ComfyUI's mixed-precision ops (`comfy.ops.mixed_precision_ops`), the blocks' 2-D Linear weights stored as
     fp8 with a per-tensor `weight_scale` (and `input_scale`) and a `comfy_quant` entry, so they load as
     `QuantizedTensor` weights (``fmt="int8_tensorwise"``: int8 with a per-tensor scale, weight-only);
     everything else float32, computed in float32. The weights are those of
     ``make_wan(kind, ...)`` with the same seed, quantized. ``full_precision_mm``: the layers dequantize their
-    weight for a full-precision matmul (what ComfyUI makes of old `scaled_fp8` checkpoints that ask for it)."""
+    weight for a full-precision matmul (what ComfyUI makes of old `scaled_fp8` checkpoints that ask for it).
+    ``layout``: "comfy_quant" (a per-layer `comfy_quant` entry, as above) or "scaled_fp8" (the layout of
+    Comfy-Org's `*_fp8_scaled` files: `scale_weight` / `scale_input` per layer and a `scaled_fp8` marker,
+    converted by ComfyUI's own `comfy.utils.convert_old_quants` as its loader does; skipped where this ComfyUI
+    has no such converter)."""
     setup()
     import json
     import torch
@@ -776,6 +783,10 @@ def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True
             sd[prefix + "input_scale"] = torch.tensor(0.02)
         conf = {"format": fmt, **({"full_precision_matrix_mult": True} if full_precision_mm else {})}
         sd[prefix + "comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    if layout == "scaled_fp8":
+        sd = _as_scaled_fp8_file(sd, fmt, full_precision_mm)
+    elif layout != "comfy_quant":
+        raise ValueError(f"unknown fp8 layout {layout!r}; one of {FP8_LAYOUTS}")
     cls, cfg = _wan_config(kind, dim, heads, layers, None, 32, 1, extra_config)
     model_config = cls(cfg)
     dtype = dtype or torch.float32
@@ -790,6 +801,33 @@ def make_fp8_scaled_wan(kind="t2v", dim=128, heads=4, layers=1, input_scale=True
                                                offload_device=torch.device("cpu"))
     patcher.comfy_env_kind = kind
     return patcher
+
+
+def _as_scaled_fp8_file(sd, fmt, full_precision_mm):
+    """`sd` (comfy_quant layout) as a Comfy-Org `*_fp8_scaled` file stores it, then converted back by ComfyUI's
+    `convert_old_quants` (what its loader does with such a file)."""
+    import pytest
+    import torch
+    import comfy.utils
+    if fmt != "float8_e4m3fn":
+        raise ValueError("the scaled_fp8 layout stores float8_e4m3fn weights")
+    convert = getattr(comfy.utils, "convert_old_quants", None)
+    if convert is None:
+        pytest.skip("this ComfyUI has no convert_old_quants (scaled_fp8 files load another way)")
+    old = {}
+    for key, value in sd.items():
+        if key.endswith(".comfy_quant"):
+            continue
+        if key.endswith(".weight_scale"):
+            old[key[:-len("weight_scale")] + "scale_weight"] = value
+        elif key.endswith(".input_scale"):
+            old[key[:-len("input_scale")] + "scale_input"] = value
+        else:
+            old[key] = value
+    # the marker: an fp8 scalar; two elements ask for a full-precision matmul
+    old["scaled_fp8"] = torch.zeros(2 if full_precision_mm else 0, dtype=torch.float8_e4m3fn)
+    converted, _ = convert(old, "")
+    return converted
 
 
 def _diffusion_model(model):
