@@ -55,7 +55,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
+from benchmarks import dynamic_vram
+
+if "--dynamic-vram" in sys.argv[1:]:   # comfy-aimdo loads before torch does, as ComfyUI's main.py has it
+    dynamic_vram.start()
+
+import torch  # noqa: E402 - after comfy-aimdo's start (above)
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -538,22 +543,28 @@ def find_comfyui(path: Optional[str] = None) -> Path:
                      + ", ".join(str(c) for c in candidates))
 
 
+# Packages ComfyUI imports unguarded at module level for models and nodes the benchmarks never run: a bare
+# machine (a CPU-only torch, a GPU image without PyAV) may have none that imports
+STUBBED = ("torchvision", "torchaudio", "av")
+
+
 class _StubSubmodules:
-    """`torchvision.<anything>` as an empty stub package while `torchvision` is the stub below (a CPU machine
-    without torchvision): `comfy.model_base` (v0.33) imports `torchvision.ops.roi_align` (SAM3). Attributes of
-    the stub modules are placeholders that raise when called; no workload calls them. A real torchvision is
-    never shadowed."""
+    """`<stubbed>.<anything>` as an empty stub package while that package is a stub below: `comfy.model_base`
+    (v0.33) imports `torchvision.ops.roi_align` (SAM3), comfy_api's video types `av.container`. Attributes of
+    the stub modules are placeholders that raise when called; no workload calls them. A real package is never
+    shadowed."""
 
     STUB_VERSION = "0.0.0+qkv_bench_stub"
 
     @classmethod
-    def active(cls) -> bool:
-        top = sys.modules.get("torchvision")
+    def active(cls, name: str) -> bool:
+        top = sys.modules.get(name)
         return top is not None and getattr(top, "__version__", "") == cls.STUB_VERSION
 
     @classmethod
     def find_spec(cls, fullname, path=None, target=None):
-        if not fullname.startswith("torchvision.") or not cls.active():
+        top, dot, _ = fullname.partition(".")
+        if not dot or top not in STUBBED or not cls.active(top):
             return None
         return importlib.machinery.ModuleSpec(fullname, cls, is_package=True)
 
@@ -572,33 +583,36 @@ class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        top = self.__name__.split(".")[0]
 
         def unavailable(*args, **kwargs):
-            raise ImportError(f"{self.__name__}.{name}: torchvision is not installed (bench.py's stub)")
+            raise ImportError(f"{self.__name__}.{name}: {top} is not installed (bench.py's stub)")
         return type(name, (), {"__init__": unavailable, "__module__": self.__name__})
 
 
-def _torchvision_stub_if_missing() -> bool:
-    """ComfyUI imports torchvision unguarded in places; a CPU-only torch may have none that works. A bare
-    package stands in only when the real one fails to import. True when stubbed."""
-    try:
-        importlib.import_module("torchvision")
-        return False
-    except Exception:  # noqa: BLE001 - missing, or built for another torch
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-    for name in ("torchvision", "torchvision.transforms"):
-        module = types.ModuleType(name)
+def _stubs_if_missing() -> list:
+    """A bare stub package for each of `STUBBED` that does not import (missing, or built for another torch);
+    the names stubbed."""
+    stubbed = []
+    for top in STUBBED:
+        try:
+            importlib.import_module(top)
+            continue
+        except Exception:  # noqa: BLE001 - missing, or built for another torch
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+        module = _StubModule(top)
         # a real spec: transformers calls importlib.util.find_spec("torchvision"), which needs one
-        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name == "torchvision")
-        if name == "torchvision":
-            module.__path__ = []
-            module.__version__ = "0.0.0+qkv_bench_stub"
-        sys.modules[name] = module
-    sys.modules["torchvision"].transforms = sys.modules["torchvision.transforms"]
-    if _StubSubmodules not in sys.meta_path:
+        module.__spec__ = importlib.machinery.ModuleSpec(top, None, is_package=True)
+        module.__path__ = []
+        module.__version__ = _StubSubmodules.STUB_VERSION
+        sys.modules[top] = module
+        stubbed.append(top)
+    if stubbed and _StubSubmodules not in sys.meta_path:
         sys.meta_path.append(_StubSubmodules)
-    return True
+    if "torchvision" in stubbed:   # imported with the package, as the real one does
+        sys.modules["torchvision"].transforms = importlib.import_module("torchvision.transforms")
+    return stubbed
 
 
 def setup_comfyui(root: Path, device: torch.device, flags=()) -> list:
@@ -611,8 +625,8 @@ def setup_comfyui(root: Path, device: torch.device, flags=()) -> list:
     comfy = sys.modules.get("comfy")
     if comfy is not None and not str(Path(comfy.__path__[0]).resolve()).startswith(str(root)):
         raise SystemExit(f"--comfyui: `comfy` is already imported from {comfy.__path__[0]}, not from {root}")
-    if _torchvision_stub_if_missing():
-        notes.append("torchvision: not importable, a stub stands in")
+    for name in _stubs_if_missing():
+        notes.append(f"{name}: not importable, a stub stands in")
     import comfy.cli_args
     if device.type != "cuda":
         if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:
@@ -684,17 +698,24 @@ def load_pack_module(name: str, path: Optional[str], device: torch.device, flags
 def run_whole_model(argv) -> int:
     """`--comfyui PATH --whole-model ...`: a whole Wan 14B sampled through ComfyUI (benchmarks/wan_model.py,
     whose options follow). ComfyUI's Dynamic VRAM loader is turned off before ComfyUI is imported unless
-    `--dynamic-vram` is given."""
+    `--dynamic-vram` is given; then it is started as ComfyUI's main.py starts it (comfy-aimdo before CUDA,
+    its devices after ComfyUI's import), and a machine where it cannot start says so and stops."""
     pre = argparse.ArgumentParser(add_help=False)
     _comfyui_option(pre)
     pre.add_argument("--whole-model", action="store_true")
     pre.add_argument("--device", default=None)
     known, rest = pre.parse_known_args(argv)
     flags = list(known.comfy_flag)
-    if "--dynamic-vram" not in rest:
+    dynamic = "--dynamic-vram" in rest
+    if not dynamic:
         flags.append("?disable-dynamic-vram")   # v0.33+; older ComfyUI has only the estimate-based loader
     device = _device(known.device)
     module, root, notes = load_pack_module("wan_model", known.comfyui or None, device, flags)
+    if dynamic:
+        problem = dynamic_vram.enable()   # started at this module's import (before torch)
+        if problem:
+            raise SystemExit(f"--dynamic-vram: {problem}")
+        notes.append("Dynamic VRAM on (comfy-aimdo, ModelPatcherDynamic)")
     print(f"ComfyUI from {root}; " + "; ".join(notes), flush=True)
     return module.main(rest + (["--device", known.device] if known.device else []))
 

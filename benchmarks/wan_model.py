@@ -44,13 +44,19 @@ import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 import comfy.ops
 
+from ..nodes.compat import all_checked, forget_verdicts
 from ..nodes.patching import apply_patch
+from ..nodes.wan import stock_functions
 from ..nodes.report import logger
 from .wan_block import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
                         random_like)
 
 GiB = float(1 << 30)
-FORMATS = ("bf16", "fp8_e4m3fn", FP8_SCALED, GGUF_Q8_0)
+# fp8_scaled: a per-layer `comfy_quant` entry beside each scaled weight; fp8_scaled_file: the layout of Comfy-Org's
+# `*_fp8_scaled` files (`scale_weight` per layer and a `scaled_fp8` marker), which ComfyUI's loader converts
+FP8_SCALED_FILE = "fp8_scaled_file"
+FORMATS = ("bf16", "fp8_e4m3fn", FP8_SCALED, FP8_SCALED_FILE, GGUF_Q8_0)
+NEGATIVES = ("random", "zeros")
 # Wan 2.1 / 2.2 14B (T2V), as ComfyUI's model detection finds it in a checkpoint
 WAN_14B = dict(model_type="t2v", patch_size=(1, 2, 2), text_len=512, in_dim=16, dim=5120, ffn_dim=13824,
                freq_dim=256, text_dim=4096, out_dim=16, num_heads=40, num_layers=40, window_size=(-1, -1),
@@ -85,14 +91,16 @@ def _convert(key: str, value: torch.Tensor, fmt: str, gguf_ops) -> dict:
     quantize = _quantizable(key, value.shape)
     if fmt in ("bf16", "fp8_e4m3fn"):        # fp8_e4m3fn: a bf16 file loaded with weight_dtype fp8_e4m3fn
         return {key: value.to(torch.bfloat16)}
-    if fmt == FP8_SCALED:
+    if fmt in (FP8_SCALED, FP8_SCALED_FILE):
         if not quantize:
             return {key: value.to(torch.bfloat16)}
         prefix = key[:-len("weight")]
         scale = value.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+        weight = (value / scale).to(torch.float8_e4m3fn)
+        if fmt == FP8_SCALED_FILE:
+            return {key: weight, prefix + "scale_weight": scale.reshape(())}
         quant = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
-        return {key: (value / scale).to(torch.float8_e4m3fn), prefix + "weight_scale": scale.reshape(()),
-                prefix + "comfy_quant": quant}
+        return {key: weight, prefix + "weight_scale": scale.reshape(()), prefix + "comfy_quant": quant}
     types = gguf_ops.gguf.GGMLQuantizationType
     if quantize:
         return {key: gguf_ops.GGMLTensor(quantize_q8_0(value), tensor_type=types.Q8_0, tensor_shape=value.shape)}
@@ -116,6 +124,8 @@ def wan_state_dict(fmt: str, config: dict, device, seed: int = 0, gguf_ops=None)
             # .to(), not .cpu(): ComfyUI-GGUF's tensor class keeps its attributes through .to() only
             (block0 if key.startswith("blocks.0.") else sd)[k] = v.to("cpu") if v.device.type != "cpu" else v
     sd.update(block0)
+    if fmt == FP8_SCALED_FILE:
+        sd["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)   # the file's marker (an fp8 scalar)
     for index in range(1, config["num_layers"]):
         for k, v in block0.items():
             copy = v.clone()
@@ -172,21 +182,27 @@ def free_everything() -> None:
         torch.cuda.empty_cache()
 
 
-def conditioning(seed: int, text_dim: int):
-    """Random text embeddings (umt5's width) for cond and uncond, as ComfyUI's text encoder hands them over."""
+def conditioning(seed: int, text_dim: int, negative: str = "random"):
+    """Text embeddings (umt5's width) for cond and uncond, as ComfyUI's text encoder hands them over: a random
+    positive; the negative another random text, or (`negative="zeros"`) zeros, as ConditioningZeroOut gives it."""
     g = torch.Generator().manual_seed(seed)
     positive = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
-    negative = [[torch.randn(1, TEXT_TOKENS, text_dim, generator=g), {}]]
-    return positive, negative
+    uncond = torch.randn(1, TEXT_TOKENS, text_dim, generator=g)
+    if negative == "zeros":
+        uncond.zero_()
+    elif negative != "random":
+        raise ValueError(f"negative {negative!r}: one of {', '.join(NEGATIVES)}")
+    return positive, [[uncond, {}]]
 
 
-def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool, text_dim: int, seed: int = 0):
+def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool, text_dim: int, seed: int = 0,
+                negative_kind: str = "random"):
     """One `comfy.sample.sample` run (euler, simple) of a `frames` x `size` (w, h) latent: a result record."""
     import comfy.sample
     width, height = size
     latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
     noise = comfy.sample.prepare_noise(latent, seed)
-    positive, negative = conditioning(seed, text_dim)
+    positive, negative = conditioning(seed, text_dim, negative_kind)
     calls, step_marks = [], []
     cuda = torch.cuda.is_available()
 
@@ -207,7 +223,7 @@ def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool,
     run = patcher.clone()
     run.set_model_unet_function_wrapper(timed)
     record = {"frames": frames, "size": f"{width}x{height}", "tokens": noise.shape[2] * (height // 16) * (width // 16),
-              "steps": steps, "cfg": cfg}
+              "steps": steps, "cfg": cfg, "negative": negative_kind}
     free_everything()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -268,6 +284,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cfg", type=float, default=5.0)
     parser.add_argument("--methods", default="stock,pack")
+    parser.add_argument("--negatives", default="zeros,random",
+                        help=f"comma-separated, of {', '.join(NEGATIVES)}: the negative prompt's embedding, "
+                             f"zeros as ConditioningZeroOut gives it (default zeros,random; the frames search "
+                             f"uses the first)")
     parser.add_argument("--level", default="High", help="the pack's head split level (default High)")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--search-frames", action="store_true",
@@ -296,6 +316,9 @@ def main(argv=None) -> int:
         if card:
             format_cards.setdefault(fmt, []).append(float(card))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    negatives = [n.strip() for n in args.negatives.split(",") if n.strip()]
+    if not negatives or any(n not in NEGATIVES for n in negatives):
+        raise SystemExit(f"--negatives: one or more of {', '.join(NEGATIVES)}")
     size = tuple(int(v) for v in args.size.lower().split("x"))
     cuda = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
     config = dict(WAN_14B, num_layers=args.layers)
@@ -313,7 +336,7 @@ def main(argv=None) -> int:
             out.flush()
 
     def probe(model, method: str, fmt: str, frames: int) -> bool:
-        record = sample_once(model, frames, size, 1, args.cfg, True, config["text_dim"])
+        record = sample_once(model, frames, size, 1, args.cfg, True, config["text_dim"], negative_kind=negatives[0])
         emit(dict(record, format=fmt, card_gib=format_cards.get(fmt, cards)[0], method=method, probe=True))
         return record["fits"]
 
@@ -328,15 +351,25 @@ def main(argv=None) -> int:
         if not report.any_patched:
             print(f"[{fmt}] the pack did not patch the model: {report.lines()}")
         models = {"stock": base, "pack": patched}
-        if "pack" in methods:   # a user's first run: the self-check (small), so later runs plan as measured
-            warm = sample_once(patched, 5, (480, 272), 1, args.cfg, True, config["text_dim"])
-            print(f"[{fmt}] pack warm-up (self-check): {warm['wall_s']:.1f} s", flush=True)
-        for card in ([] if args.search_only else format_cards.get(fmt, cards)):
-            if cuda:
-                plan_for_card(card, default_reserve)
-            for method in methods:
-                record = sample_once(models[method], args.frames, size, args.steps, args.cfg, False, config["text_dim"])
-                emit(dict(record, format=fmt, card_gib=card, method=method))
+        for negative in negatives:
+            if "pack" in methods:
+                # a user's first run with this workflow: the self-checks run on its conditioning (small), and
+                # later runs plan as measured; the verdicts of another negative are not carried over
+                forget_verdicts()
+                warm = sample_once(patched, 5, (480, 272), 1, args.cfg, True, config["text_dim"],
+                                   negative_kind=negative)
+                print(f"[{fmt}] pack warm-up, negative {negative} (self-check): {warm['wall_s']:.1f} s; "
+                      f"{'every check passed' if all_checked(stock_functions(base.model.diffusion_model)) else 'a check failed'}",
+                      flush=True)
+            for card in ([] if args.search_only else format_cards.get(fmt, cards)):
+                if cuda:
+                    plan_for_card(card, default_reserve)
+                for method in methods:
+                    record = sample_once(models[method], args.frames, size, args.steps, args.cfg, False,
+                                         config["text_dim"], negative_kind=negative)
+                    emit(dict(record, format=fmt, card_gib=card, method=method))
+            if args.search_frames or args.search_only:
+                break   # the search below runs on the first negative's verdicts
         if args.search_frames or args.search_only:
             if cuda:
                 plan_for_card(format_cards.get(fmt, cards)[0], default_reserve)

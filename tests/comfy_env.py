@@ -185,7 +185,7 @@ def _not_found_reason():
 # Packages stubbed when they do not import (see install_stub). ComfyUI imports them unguarded at module level
 # in model families and extra nodes the tests never run; the CPU torch wheels here come without them (and
 # installing them could replace torch).
-STUBBABLE = ("torchvision", "torchaudio")
+STUBBABLE = ("torchvision", "torchaudio", "av")
 
 
 class StubUsed(ImportError):
@@ -369,6 +369,7 @@ def setup():
         _put_comfy_first(root)
         install_torchvision_stub()
         install_stub("torchaudio")
+        install_stub("av")   # PyAV: comfy_api's video types import it (a GPU machine may lack it)
         import comfy.cli_args
         if os.environ.get("COMFY_ENV_GPU") != "1":
             if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:

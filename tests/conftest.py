@@ -39,16 +39,6 @@ def _qkv_core_defaults():
     qc.reset_notices()
 
 
-# Tests that turn on process-wide state which later tests cannot undo run last: the Dynamic VRAM test
-# initializes comfy-aimdo for the whole process (ComfyUI's own model loading then goes through it), after
-# which the other GPU tests' stock blocks fail to build.
-RUN_LAST = ("test_wan_dynamic_vram_gpu.py",)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=lambda item: item.fspath.basename in RUN_LAST)   # stable: the rest keep their order
-
-
 @pytest.fixture
 def split_everything(env, monkeypatch):
     """The runtime splits from the first token (the tiny models' sequences are short). `env`: the test

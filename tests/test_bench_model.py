@@ -50,15 +50,37 @@ def test_q8_0_blocks_are_those_of_the_gguf_package(bench):
 
 
 def test_a_tiny_whole_model_run(bench, tmp_path):
-    """One Wan 14B-wide block, a 128 x 128 latent, 1 step: both methods sample, the pack's run after its
-    warm-up plans with its factor (unsplit at 128 tokens: 0.9), and the records say so."""
+    """One Wan 14B-wide block, a 128 x 128 latent, 1 step: both methods sample with a zeroed negative and with a
+    random one, the pack's runs after their warm-up plan with its factor (unsplit at 128 tokens: 0.9), and the
+    records say so."""
     out = tmp_path / "records.jsonl"
     assert bench.main(["--formats", "bf16:16", "--layers", "1", "--frames", "5", "--size", "128x128",
                        "--steps", "1", "--json", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["method"] for r in records] == ["stock", "pack"]
+    assert [(r["negative"], r["method"]) for r in records] == [
+        ("zeros", "stock"), ("zeros", "pack"), ("random", "stock"), ("random", "pack")]
     assert all(r["fits"] and r["s_per_step"] > 0 for r in records)
-    assert "x0.90" in records[1]["pack_memory_estimate"]
+    assert all("x0.90" in r["pack_memory_estimate"] for r in records if r["method"] == "pack")
+
+
+def test_both_fp8_scaled_file_layouts_load_as_quantized_weights(bench):
+    """The whole-model benchmark's two fp8-scaled formats: a per-layer `comfy_quant` entry, and Comfy-Org's file
+    layout (`scale_weight` per layer and a `scaled_fp8` marker) that ComfyUI's loader converts; both load through
+    `comfy.sd.load_diffusion_model_state_dict` with QuantizedTensor block weights of the same values."""
+    import torch
+    import comfy.ops
+    if not hasattr(comfy.ops, "mixed_precision_ops"):
+        pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
+    config = dict(bench.WAN_14B, dim=256, ffn_dim=512, num_heads=2, num_layers=1, text_dim=64)
+    weights = []
+    for fmt in (bench.FP8_SCALED, bench.FP8_SCALED_FILE):
+        sd = bench.wan_state_dict(fmt, config, torch.device("cpu"))
+        assert ("scaled_fp8" in sd) == (fmt == bench.FP8_SCALED_FILE)
+        model = bench.load_model(fmt, sd, dynamic=False).model.diffusion_model
+        weight = model.blocks[0].self_attn.q.weight
+        assert type(weight).__name__ == "QuantizedTensor", (fmt, type(weight))
+        weights.append(weight.dequantize())
+    assert torch.equal(*weights)
 
 
 def test_the_reference_benchmark_runs_a_tiny_flux2(capsys):

@@ -1,14 +1,15 @@
 """The patched Wan model under ComfyUI's Dynamic VRAM (comfy-aimdo), what ComfyUI v0.33 turns on by default on
 NVIDIA: a tiny random-weight Wan in a `ModelPatcherDynamic`, loaded by ComfyUI's own `load_models_gpu` (which
 applies the object patches), run through `BaseModel.apply_model`; patched equals stock, the head split runs and
-the self-checks pass. Skipped without CUDA, without ComfyUI, where this ComfyUI has no Dynamic VRAM, or where
-ComfyUI's own Dynamic VRAM cannot run (on the lent H200, a virtualized GPU, its stock weight load fails with
-"CUDA error: invalid argument" in comfy-aimdo's buffers, or crashes the process inside comfy-aimdo, before the
-pack is involved: a child process tries the stock load first, so such a crash skips this test instead of ending
-the test run)."""
+the self-checks pass.
+
+comfy-aimdo must load before torch does (as ComfyUI's main.py starts it: `benchmarks/dynamic_vram.py`), and a
+pytest process has imported torch long before, so the test runs in a child process that starts comfy-aimdo
+first and prints its findings; this process checks them. Skipped without CUDA, without ComfyUI, where this
+ComfyUI has no Dynamic VRAM or comfy-aimdo cannot start on the GPU (the child says why)."""
 from __future__ import annotations
 
-import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -24,85 +25,81 @@ pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
 DIM, HEADS, LAYERS = 512, 16, 2
 FRAMES, H, W = 4, 64, 64          # 4 x 32 x 32 = 4,096 tokens an item (cond + uncond), split by the floor below
 RUNTIME_FLOOR = 2048              # x Wan's SPLIT_FLOOR_SCALE 2: items of 4,096 tokens split
+TESTS = Path(__file__).resolve().parent
 
-
-PROBE = """
+CHILD = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {repo!r}]
+from benchmarks import dynamic_vram
+problem = dynamic_vram.start()   # before torch, as ComfyUI's main.py
+if problem:
+    print("SKIP " + problem)
+    sys.exit(0)
 import test_wan_dynamic_vram_gpu as t
-t.set_up_dynamic_vram()
-t.run(t.make_model())
-print("stock load ran")
+t.in_child()
 """
 
 
-def stock_load_runs() -> None:
-    """Skips unless ComfyUI's own Dynamic VRAM load and one model call run in a child process (on some machines
-    comfy-aimdo ends the process with a segmentation fault, which no test could catch)."""
-    tests = str(Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", PROBE.format(tests=tests)], capture_output=True, text=True,
-                          timeout=600, cwd=str(Path(tests).parent))
-    if done.returncode != 0 or "stock load ran" not in done.stdout:
-        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "Skipped" in line]
-        why = f"signal {-done.returncode}" if done.returncode < 0 else ((errors or lines or ["no output"])[-1][:200])
-        pytest.skip(f"ComfyUI's Dynamic VRAM does not run on this machine (stock load in a child process: {why})")
-
-
-@pytest.fixture(scope="module")
-def env():
-    stock_load_runs()
-    return set_up_dynamic_vram()
-
-
-def set_up_dynamic_vram():
-    """ComfyUI loaded the way the benchmark loads it (no comfy.sample / comfy_api), Dynamic VRAM turned on the
-    way ComfyUI's main.py turns it on."""
+def test_patched_equals_stock_under_dynamic_vram():
     root = comfy_env.find_comfyui()
     if root is None:
         pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
-    control = pytest.importorskip("comfy_aimdo.control")
-    try:   # as ComfyUI's main.py does before it loads anything (each protocol of comfy-aimdo in turn)
-        control.init(simple_vram_headroom=None, nvml_pressure=True)
-    except TypeError:
-        try:
-            control.init(simple_vram_headroom=None)
-        except TypeError:
-            control.init()
-    if control.lib is None:
-        pytest.skip("comfy-aimdo's library does not load here")
-    for name, module in list(sys.modules.items()):   # submodules imported before init bound lib = None
-        if name.startswith("comfy_aimdo.") and getattr(module, "lib", control.lib) is None:
-            module.lib = control.lib
-    from benchmarks import bench
+    pytest.importorskip("comfy_aimdo.control")
+    done = subprocess.run([sys.executable, "-c", CHILD.format(tests=str(TESTS), repo=str(TESTS.parent))],
+                          capture_output=True, text=True, timeout=600, cwd=str(TESTS.parent),
+                          env={**__import__("os").environ, "COMFYUI_PATH": str(root), "COMFY_ENV_GPU": "1"})
+    lines = done.stdout.splitlines()
+    skip = [line[5:] for line in lines if line.startswith("SKIP ")]
+    if skip:
+        pytest.skip(f"Dynamic VRAM does not run here: {skip[0]}")
+    results = [json.loads(line[7:]) for line in lines if line.startswith("RESULT ")]
+    assert done.returncode == 0 and results, (done.returncode, done.stdout[-2000:], done.stderr[-3000:])
+    result = results[0]
+    assert result["dynamic"] and result["loaded_dynamic"], result
+    assert result["rel_err"] <= 1e-4, result
+    assert result["self_heads"] == [1], result                 # 16 groups of one head
+    assert result["verdicts"] and all(v is None for v in result["verdicts"]), result
+    assert result["again_equal"], result                       # the input model runs stock again
+
+
+def in_child():
+    """The test's body, in a process where comfy-aimdo started before torch: prints `RESULT {json}` or `SKIP`."""
+    import importlib
+    root = comfy_env.find_comfyui()
+    from benchmarks import bench, dynamic_vram
     try:
         bench.load_comfyui_workload(str(root), torch.device("cuda"))
     except (ImportError, SystemExit) as e:
-        pytest.skip(f"ComfyUI at {root} does not load: {e}")
-    import comfy.cli_args
-    import comfy.memory_management
-    import comfy.model_management
-    import comfy.model_patcher
-    if not hasattr(comfy.model_patcher, "ModelPatcherDynamic"):
-        pytest.skip("this ComfyUI has no Dynamic VRAM")
-    devices = [d for d in comfy.model_management.get_all_torch_devices() if d.type == "cuda"]
-    if not devices:
-        pytest.skip("ComfyUI was set up for the CPU in this process: tests/comfy_env.py does so unless "
-                    "COMFY_ENV_GPU=1")
-    devices = [d if d.index is not None else torch.device("cuda", torch.cuda.current_device()) for d in devices]
-    headroom = getattr(comfy.cli_args.args, "vram_headroom", 0) or 0
-    try:
-        ready = control.init_devices((d.index, int(headroom * 1024 ** 3)) for d in devices)
-    except TypeError:
-        ready = control.init_devices(d.index for d in devices)
-    if not ready:
-        pytest.skip("comfy-aimdo could not start on this GPU")
-    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
-    comfy.memory_management.aimdo_enabled = True
+        print(f"SKIP ComfyUI at {root} does not load: {e}")
+        return
+    problem = dynamic_vram.enable()
+    if problem:
+        print(f"SKIP {problem}")
+        return
     package = bench.PACK_PACKAGE
-    modules = {name: importlib.import_module(f"{package}.nodes.{name}") for name in ("patching", "compat")}
-    modules["head_split"] = importlib.import_module(f"{package}.qkv_core.head_split")
-    return modules
+    patching = importlib.import_module(f"{package}.nodes.patching")
+    compat = importlib.import_module(f"{package}.nodes.compat")
+    head_split = importlib.import_module(f"{package}.qkv_core.head_split")
+    head_split.SPLIT_FLOOR_TOKENS = RUNTIME_FLOOR
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    base = make_model()
+    try:
+        reference = run(base)
+    except RuntimeError as error:   # ComfyUI's own Dynamic VRAM loading, before the pack is involved
+        print(f"SKIP ComfyUI's own Dynamic VRAM load failed: {str(error).splitlines()[0]}")
+        return
+    compat.forget_verdicts()
+    patched, report = patching.apply_patch(base, "High", "sdpa", True)
+    assert report.any_patched and not report.skipped_reasons, report.lines()
+    with comfy_env.SdpaHeads(torch) as spy:
+        out = run(patched)
+    again = run(base)
+    import comfy.memory_management
+    print("RESULT " + json.dumps({
+        "dynamic": bool(comfy.memory_management.aimdo_enabled), "loaded_dynamic": bool(base.is_dynamic()),
+        "rel_err": float((out - reference).abs().max() / reference.abs().max()),
+        "self_heads": sorted(set(spy.self_heads)), "verdicts": list(compat._verdicts.values()),
+        "again_equal": bool(torch.equal(again, reference))}), flush=True)
 
 
 def make_model():
@@ -131,29 +128,3 @@ def run(patcher):
     options = dict(patcher.model_options.get("transformer_options", {}))
     with torch.no_grad():
         return patcher.model.apply_model(x, sigma, c_crossattn=context, transformer_options=options).float()
-
-
-def test_patched_equals_stock_under_dynamic_vram(env, monkeypatch):
-    monkeypatch.setattr(env["head_split"], "SPLIT_FLOOR_TOKENS", RUNTIME_FLOOR)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        base = make_model()
-        try:
-            reference = run(base)
-        except RuntimeError as error:   # ComfyUI's own Dynamic VRAM loading, before the pack is involved
-            pytest.skip(f"ComfyUI's Dynamic VRAM does not run on this machine (stock load failed: "
-                        f"{str(error).splitlines()[0]})")
-        env["compat"].forget_verdicts()
-        patched, report = env["patching"].apply_patch(base, "High", "sdpa", True)
-        assert report.any_patched and not report.skipped_reasons, report.lines()
-        with comfy_env.SdpaHeads(torch) as spy:
-            out = run(patched)
-        again = run(base)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-    assert float((out - reference).abs().max() / reference.abs().max()) <= 1e-4
-    assert set(spy.self_heads) == {1}                        # 16 groups of one head
-    verdicts = env["compat"]._verdicts
-    assert verdicts and all(reason is None for reason in verdicts.values()), verdicts
-    assert torch.equal(again, reference)                     # the input model runs stock again
