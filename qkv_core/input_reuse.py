@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .backends import StagedCore
+from .staged_core import StagedCore
 from .head_split import HeadGroup
 from .options import AttentionOptions
 from .streams import CallStreams

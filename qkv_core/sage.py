@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .backends import StagedCore
+from .staged_core import StagedCore
 
 LOG2E = 1.44269504   # SageAttention folds log2(e) into q's scale: its kernel takes exp2
 Q_BLOCK, K_BLOCK = 128, 64   # SageAttention 1's token blocks of q's and k's scales (its attention kernel's tiles)

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 
 from . import kernels
-from .backends import StagedCore
+from .staged_core import StagedCore
 from .prefix import KVPrefix
 from .sage import quantize_blocks
 
