@@ -4,6 +4,10 @@ Hand-off: every tensor-taking entry point takes its tensors inside lists that it
 holds the only references and frees each input as soon as the projections no longer need it. Nothing is
 kept after a call returns.
 
+Inference only: under grad mode, every entry point refuses an input, a projection's weight, a prefix or a mask
+that requires grad with a `ValueError` naming the fix (`validation.refuse_autograd`: `torch.no_grad()`,
+`torch.inference_mode()`, or the model's own attention for training); one `torch.is_grad_enabled()` otherwise.
+
 Layout: activations `(batch, tokens, features)` (or `(tokens, features)`, taken as batch 1); q/k/v of a
 head group `(batch, tokens, heads_of_group, head_dim)`; the result `(batch, tokens, heads, head_dim)`.
 
@@ -34,8 +38,9 @@ from .prefix_join import prefix_tokens, resolve_prefix
 from .input_reuse import reuse_reason, run_in_input
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
-from .validation import (require_projections, take_activation, unpack_stream, validate_call, validate_extras,
-                         validate_kv_first, validate_mask, validate_native_prefix_core, validate_prefix)
+from .validation import (refuse_autograd, require_projections, take_activation, unpack_stream, validate_call,
+                         validate_extras, validate_kv_first, validate_mask, validate_native_prefix_core,
+                         validate_prefix)
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
 ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
@@ -210,6 +215,29 @@ class _Call:
         return run_in_input(x, s, groups, o, self.norm_rope, staged, settings, STATS_CHUNK_MULTIPLE)
 
 
+PROJECTION_NAMES = ("q", "k", "v", "extra")
+
+
+def _option_parts(options: dict) -> list:
+    """The options `refuse_autograd` looks at: what a call attends beside its own tokens (a prefix, a mask)."""
+    return [(name, options.get(name)) for name in ("kv_prefix", "attention_mask")]
+
+
+def _stream_parts(streams) -> list:
+    """`joint_qkv_attention`'s streams as `refuse_autograd` names them ("stream 1 x", "stream 1's k projection");
+    a stream of another form is looked at whole (`unpack_stream` refuses it after)."""
+    parts = []
+    for number, stream in enumerate(streams):
+        try:
+            x_list, projections = stream
+            parts.append((f"stream {number} x", x_list))
+            parts += [(f"stream {number}'s {name} projection", proj) for name, proj in zip(PROJECTION_NAMES,
+                                                                                           projections)]
+        except (TypeError, ValueError):
+            parts.append((f"stream {number}", stream))
+    return parts
+
+
 @torch.compiler.disable
 def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, norm_rope=None, extra_proj=None,
                   **options) -> torch.Tensor:
@@ -220,7 +248,12 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     produce `kv_heads * head_dim` features. `norm_rope(query, key, group)` normalizes and rotates in place
     (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
     `attention_fn` also receives. Options: the fields of `AttentionOptions` (qkv_core/options.py), docs/design.md §2.1.
+    Inference only: under grad mode, an input or a projection's weight that requires grad is a `ValueError`.
     """
+    if torch.is_grad_enabled():
+        refuse_autograd("qkv_attention", [("x", x_list), ("the q projection", q_proj), ("the k projection", k_proj),
+                                          ("the v projection", v_proj), ("the extra projection", extra_proj),
+                                          ("norm_rope", norm_rope), *_option_parts(options)])
     require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = take_activation(x_list, "x_list")
     source = TokenStream(x, q=q_proj, k=k_proj, v=v_proj, extra=extra_proj)
@@ -236,6 +269,9 @@ def joint_qkv_attention(streams, heads: int, head_dim: int, norm_rope=None, **op
     tensors (each stream's tokens at its offset)."""
     if not streams:
         raise ValueError("joint_qkv_attention needs at least one stream")
+    if torch.is_grad_enabled():
+        refuse_autograd("joint_qkv_attention", [*_stream_parts(streams), ("norm_rope", norm_rope),
+                                                *_option_parts(options)])
     sources = []
     for number, stream in enumerate(streams):
         x_list, (q_proj, k_proj, v_proj, extra_proj) = unpack_stream(number, stream)
@@ -250,6 +286,11 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
                         **options) -> torch.Tensor:
     """Queries from `x`, keys/values from `context` -> `(batch, tokens of x, heads, head_dim)`. Both lists
     are cleared. The longer of the two sequences decides the head split."""
+    if torch.is_grad_enabled():
+        refuse_autograd("cross_qkv_attention", [("x", x_list), ("context", context_list),
+                                                ("the q projection", q_proj), ("the k projection", k_proj),
+                                                ("the v projection", v_proj), ("norm_rope", norm_rope),
+                                                *_option_parts(options)])
     require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
     x = take_activation(x_list, "x_list")
     context = take_activation(context_list, "context_list")
@@ -266,6 +307,9 @@ def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch
     """For models that already hold q, k, v `(batch, tokens, heads, head_dim)`: `qkv_list` `[q, k, v]` is
     cleared. With a staged core, k is quantized and released before v is quantized (the peak drops by half
     of k); otherwise the plain attention call. Same results either way."""
+    if torch.is_grad_enabled():
+        parts = zip("qkv", qkv_list) if isinstance(qkv_list, list) and len(qkv_list) == 3 else [("qkv_list", qkv_list)]
+        refuse_autograd("kv_first_attention", list(parts))
     validate_kv_first(qkv_list)
     q, k, v = qkv_list
     qkv_list.clear()

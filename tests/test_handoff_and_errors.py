@@ -495,7 +495,8 @@ def test_a_fused_qkv_layer_is_passed_by_its_parts():
                                          r"qkv_core.FusedRows"):
         qc.qkv_attention([x.clone()], fused, fused, fused, 4, 32)
     with pytest.raises(ValueError, match=r"the q projection has 384 output features.*FusedRows\(layer, index, 3\)"):
-        qc.qkv_attention([x.clone()], fused, torch.nn.Linear(16, 128), torch.nn.Linear(16, 128), 4, 32)
+        qc.qkv_attention([x.clone()], fused, torch.nn.Linear(16, 128).requires_grad_(False),
+                         torch.nn.Linear(16, 128).requires_grad_(False), 4, 32)
     parts = [qc.FusedRows(fused, i, 3) for i in range(3)]
     out = qc.qkv_attention([x.clone()], *parts, 4, 32, head_split_level=3, split_floor_tokens=0)
     with torch.no_grad():
@@ -566,3 +567,92 @@ def test_split_plan_says_why_it_does_not_split():
     assert qc.split_plan(40, 75600, "high", unsliceable="GGUF patch") == qc.SplitPlan(1, "GGUF patch")
     assert qc.split_plan(40, 100, "high", unsliceable="GGUF patch").reason == "100 tokens, under 8192"
     assert qc.group_count(40, 75600, 3) == 20
+
+
+# --- autograd: refused up front (issue 34, item 8) -------------------------------------------------------------
+def _grad_calls(trainable: bool, x_grad: bool, wrap=lambda layer: layer):
+    """One call of each entry point (name, a function making and running it): layers whose weights require grad
+    when `trainable`, inputs that require grad when `x_grad`; `wrap(layer)` is what each projection is passed as.
+    Split from the first token (a split call is what fails deep inside without the refusal)."""
+    def layer(seed):
+        return make_qkv(16, 4, 32, seed=seed)
+
+    def trained(layers):
+        return tuple(wrap(lin.requires_grad_(trainable)) for lin in layers)
+
+    def x(tokens=24):
+        return x16(1, tokens).requires_grad_(x_grad)
+    split = dict(head_split_level="high", split_floor_tokens=0)
+
+    def kv_first():
+        q, k, v = (torch.randn(1, 24, 4, 32).requires_grad_(x_grad or trainable) for _ in range(3))
+        return qc.kv_first_attention([q, k, v])
+    return {
+        "qkv_attention": lambda: qc.qkv_attention([x()], *trained(layer(40)), 4, 32, **split),
+        "joint_qkv_attention": lambda: qc.joint_qkv_attention([([x()], trained(layer(41))),
+                                                               ([x(8)], trained(layer(42)))], 4, 32, **split),
+        "cross_qkv_attention": lambda: qc.cross_qkv_attention([x()], [x(12)], *trained(layer(43)), 4, 32, **split),
+        "kv_first_attention": kv_first,
+    }
+
+
+ENTRY_POINTS = ("qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention")
+
+
+@pytest.mark.parametrize("entry,trainable,x_grad", [
+    *((entry, False, True) for entry in ENTRY_POINTS),
+    *((entry, True, False) for entry in ENTRY_POINTS if entry != "kv_first_attention")])   # it has no weights
+def test_tensors_that_require_grad_are_refused_up_front(entry, trainable, x_grad):
+    """A model author's training code calling an entry point under grad mode with an input or a projection that
+    requires grad: a `ValueError` naming the fix, before anything is cleared or computed (no `addmm(): functions
+    with out=... arguments` from deep inside); under `torch.no_grad()` / `torch.inference_mode()` the same call
+    runs."""
+    call = _grad_calls(trainable, x_grad)[entry]
+    with pytest.raises(ValueError, match=rf"^{entry}: .* requires grad with gradient mode on\. .*torch\.no_grad\(\) "
+                                         r"or torch\.inference_mode\(\), or use the model's own attention"):
+        call()
+    with torch.no_grad():
+        out = call()
+    assert out.shape[-2:] == (4, 32) and torch.isfinite(out).all() and not out.requires_grad
+    with torch.inference_mode():
+        assert torch.isfinite(call()).all()
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_grad_mode_with_nothing_to_differentiate_runs(entry):
+    """Grad mode on but no input and no weight requires grad: nothing for autograd to do, the call runs."""
+    out = _grad_calls(False, False)[entry]()
+    assert torch.isfinite(out).all() and not out.requires_grad
+
+
+@pytest.mark.parametrize("form", ["RowProjection", "bound forward", "closure", "module"])
+def test_weights_behind_a_projection_object_are_seen(form):
+    """A trainable layer passed as a `RowProjection`, a module's bound forward, a closure over it, or inside a
+    module of the model's own: each is looked through, and named."""
+    class Wrapper(torch.nn.Module):
+        def __init__(self, linear):
+            super().__init__()
+            self.linear = linear
+
+        def forward(self, x):
+            return self.linear(x)
+
+    wrap = {"RowProjection": qc.LinearRows, "bound forward": lambda lin: Wrapper(lin).forward,
+            "closure": lambda lin: (lambda x: lin(x)), "module": Wrapper}[form]
+    with pytest.raises(ValueError, match=r"^qkv_attention: the q projection requires grad .*torch\.no_grad\(\)"):
+        _grad_calls(True, False, wrap)["qkv_attention"]()
+    with torch.no_grad():
+        assert torch.isfinite(_grad_calls(True, False, wrap)["qkv_attention"]()).all()
+
+
+def test_a_refused_call_leaves_its_lists_alone(layers):
+    """The refusal comes before the hand-off: the caller's lists still hold their tensors (retry under no_grad)."""
+    x = x16(1, 8).requires_grad_(True)
+    x_list = [x]
+    with pytest.raises(ValueError, match="qkv_attention: x requires grad"):
+        qc.qkv_attention(x_list, *layers, 4, 32)
+    assert x_list == [x]
+    qkv = [torch.randn(1, 8, 4, 32, requires_grad=True) for _ in range(3)]
+    with pytest.raises(ValueError, match="kv_first_attention: q requires grad"):
+        qc.kv_first_attention(qkv)
+    assert len(qkv) == 3
