@@ -12,10 +12,12 @@ from . import (compat, cosmos, flux, hidream, kandinsky5, kernel_patch, ltx, lum
                reference_cache, sd3, wan)
 from .dispatch import LEVELS, QKVConfig, backend_choices, family_config, split_floor
 from .family import check_adapter
-from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui
+from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui, stock_fallback
 
 ADAPTERS = (wan, flux, lumina, qwen_image, kandinsky5, ltx, sd3, cosmos, hidream)
 WRAPPER_KEY = "comfyui_qkv"
+RUN_WRAPPER_KINDS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
+                     comfy.patcher_extension.WrappersMP.CALC_COND_BATCH)
 
 for _adapter in ADAPTERS:   # each meets nodes/family.py's contract (a clear error at import otherwise)
     check_adapter(_adapter)
@@ -27,13 +29,16 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
     model `diffusion_model` sampled on a latent of `latent_shape` with these `transformer_options`. The
     family's measured factors (`adapter.MEMORY_FACTORS`) where the pack's forwards run; attention patched
     alone leaves the stock feed-forward's peak (1.0), and anything not verified yet in this process, or
-    with other nodes' hooks, runs at ComfyUI's own estimate."""
+    with other nodes' hooks, runs at ComfyUI's own estimate: a self-check that failed keeps it there for the
+    process (`compat.all_checked`), and a module that runs ComfyUI's own forward during a run puts it back for
+    the rest of that run (`make_run_wrappers`)."""
     factors = adapter.MEMORY_FACTORS
     config = family_config(config, adapter)
     if not config.block:
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
-        return 1.0, "ComfyUI's estimate until the pack's forwards have passed their self-check in this process"
+        return 1.0, ("not every forward of the pack has passed its self-check in this process (not checked yet, "
+                     "or one failed)")
     hooks = sorted(compat.hooks_set(transformer_options))
     if hooks:
         return 1.0, f"other nodes' hooks are set ({', '.join(hooks)}): blocks may run as ComfyUI's"
@@ -55,12 +60,41 @@ def find_adapter(diffusion_model):
     return None
 
 
-def make_run_wrapper(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None):
-    """OUTER_SAMPLE wrapper: for the length of one sampling run, ComfyUI's activation estimate of this model
-    is scaled by what `memory_factor` finds for this run (its memory planning happens inside the run,
-    before the weights are loaded); at the end (also after an error or a cancel) the run report
-    (`report.RunReport`) is logged and sent to the node `node_id` in the browser. `adapter` None: the
-    kernel-level patch (ComfyUI's estimate stays)."""
+class _ActiveRun:
+    """A sampling run in progress: its report, and the model whose estimate it may have lowered."""
+
+    def __init__(self, run: RunReport, base_model, stock_factor: float, factor: float):
+        self.run, self.base_model, self.stock_factor, self.factor = run, base_model, stock_factor, factor
+        self.notices: list[str] = []
+
+    def watch(self) -> None:
+        """Before each batch of conds (ComfyUI sizes it from the model's estimate): the notices so far are kept
+        for the report, and a module that ran ComfyUI's own forward (a self-check failed on a call of a new kind,
+        say) puts ComfyUI's own estimate back for the rest of the run: that module's memory is stock's."""
+        notices = drain_notices()
+        if not notices:
+            return
+        self.notices += notices
+        if self.factor != 1.0 and any(stock_fallback(line) for line in notices):
+            self.base_model.memory_usage_factor = self.stock_factor
+            self.factor = 1.0
+            self.run.estimate_restored = True
+            logger.info("[QKV] run: memory estimate back to ComfyUI's own (a module ran ComfyUI's forward)")
+
+
+def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None) -> dict:
+    """The run's wrappers by kind. OUTER_SAMPLE: for the length of one sampling run, ComfyUI's activation
+    estimate of this model is scaled by what `memory_factor` finds for this run (its memory planning happens
+    inside the run, before the weights are loaded); at the end (also after an error or a cancel) the run report
+    (`report.RunReport`) is logged and sent to the node `node_id` in the browser. CALC_COND_BATCH: before each
+    batch of conds, ComfyUI's estimate is put back once a module ran ComfyUI's own forward
+    (`_ActiveRun.watch`). `adapter` None: the kernel-level patch (ComfyUI's estimate stays)."""
+    active: list[_ActiveRun] = []   # the run in progress (a list: a run inside a run stays apart)
+
+    def calc_cond_batch(executor, *args, **kwargs):
+        if active:
+            active[-1].watch()
+        return executor(*args, **kwargs)
 
     def outer_sample(executor, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
@@ -80,6 +114,9 @@ def make_run_wrapper(config: QKVConfig, adapter, patch_report: PatchReport, node
         drain_tally()
         family = adapter.FAMILY if adapter is not None else type(diffusion_model).__name__
         run = RunReport(family, config.describe(), patch_report)
+        run.estimate = (factor, why)
+        state = _ActiveRun(run, base_model, stock_factor, factor)
+        active.append(state)
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -91,23 +128,27 @@ def make_run_wrapper(config: QKVConfig, adapter, patch_report: PatchReport, node
             raise
         finally:
             base_model.memory_usage_factor = stock_factor
+            active.remove(state)
             try:   # a report must never fail the run, nor hide the error that ended it
-                finish_report(run, patcher, adapter, diffusion_model, shape, config, cuda)
+                finish_report(run, patcher, adapter, diffusion_model, shape, config, cuda, state.notices)
                 run.log()
                 if node_id is not None:
                     send_to_ui(UI_EVENT, {"node": str(node_id), "report": run.as_payload()})
             except Exception as error:  # noqa: BLE001
                 logger.warning("[QKV] no run report for this run: %s: %s", type(error).__name__, error)
 
-    return outer_sample
+    return {comfy.patcher_extension.WrappersMP.OUTER_SAMPLE: outer_sample,
+            comfy.patcher_extension.WrappersMP.CALC_COND_BATCH: calc_cond_batch}
 
 
-def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, config: QKVConfig, cuda: bool):
-    """Fills `run` at the end of a sampling run: the runtime's counts and notices (both drained), the
-    reference caches on `patcher`, the peak VRAM and the planner's estimate for the longest call seen."""
+def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, config: QKVConfig, cuda: bool,
+                  earlier_notices=()):
+    """Fills `run` at the end of a sampling run: the runtime's counts and notices (both drained; with those
+    drained during the run, `earlier_notices`), the reference caches on `patcher`, the peak VRAM and the
+    planner's estimate for the longest call seen."""
     tally = drain_tally()
     run.kernels, run.splits = tally.kernels, tally.splits
-    notices = drain_notices()
+    notices = list(earlier_notices) + drain_notices()
     # not fallbacks: chosen (a family's short sequences on ComfyUI's forwards, auto passing a backend by)
     by_design = [line for line in notices if compat.SHORT_CALL_NOTICE in line or line.startswith("[Attention] auto:")]
     run.fallbacks = [line for line in notices if line not in by_design]
@@ -124,12 +165,13 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
 
 
 def remove_own_patches(patcher) -> int:
-    """Drop this pack's object patches, run wrapper and kernel-level override from `patcher` (a clone): a node
+    """Drop this pack's object patches, run wrappers and kernel-level override from `patcher` (a clone): a node
     applied again replaces its own patch instead of stacking on it. Returns how many patches were dropped."""
     own = [key for key, value in patcher.object_patches.items() if compat.is_ours(value)]
     for key in own:
         del patcher.object_patches[key]
-    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    for kind in RUN_WRAPPER_KINDS:
+        patcher.remove_wrappers_with_key(kind, WRAPPER_KEY)
     return len(own) + int(kernel_patch.remove(patcher))
 
 
@@ -157,7 +199,7 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=Non
         config = family_config(config, adapter)
         adapter.patch(patched, config, report)
     if report.any_patched:
-        patched.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY,
-                                     make_run_wrapper(config, adapter, report, node_id))
+        for kind, wrapper in make_run_wrappers(config, adapter, report, node_id).items():
+            patched.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
     report.log()
     return patched, report

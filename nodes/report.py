@@ -3,7 +3,9 @@ notices and the measured peak) after each sampling run."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter, OrderedDict
+from typing import Optional
 
 logger = logging.getLogger("ComfyUI-QKV")
 
@@ -41,6 +43,20 @@ class PatchReport:
             logger.info("[QKV] %s", line)
 
 
+# What `compat.guarded` logs (once a run) when a forward runs ComfyUI's own instead of the pack's: a failed
+# self-check, gradients, arguments the pack does not know, another node's hook or patch.
+_RAN_STOCK = re.compile(r"^\[QKV\] (?P<what>.+?) runs as ComfyUI's own: (?P<reason>.*)$", re.DOTALL)
+
+
+def stock_fallback(line: str) -> Optional[tuple[str, str]]:
+    """(what, why) when `line` (a runtime notice) says a module ran ComfyUI's own forward, else None."""
+    match = _RAN_STOCK.match(line)
+    return (match["what"], match["reason"]) if match else None
+
+
+# How much of the pack's saving a run had (`RunReport.saving`; web/qkv_bar.js draws each its own way)
+FULL, PARTIAL, NONE = "full", "partial", "none"
+
 UI_EVENT = "comfyui_qkv.report"   # web/qkv_report.js listens for it
 GiB, MiB = 2 ** 30, 2 ** 20
 
@@ -65,7 +81,12 @@ class RunReport:
     """What one sampling run of a patched model did, for the log (one compact block) and the node in the
     browser (`as_payload`): the patch (`patch`, a PatchReport), the backends that ran and the head groups
     (`qkv_core.Tally`), the fallbacks (the runtime's notices), the reference caches, the peak VRAM beside
-    the planner's estimates (`plan`, nodes/planner.py), and how the run ended."""
+    the planner's estimates (`plan`, nodes/planner.py), and how the run ended.
+
+    A run in which a patched module ran ComfyUI's own forward (a failed self-check, gradients on, another
+    node's hook: `stock_fallback`) did not have the pack's saving there: the report's first line says so, what ran
+    ComfyUI's own and why (`headline`), `saving` tells the browser (no bar drawn as a saving), and the peak is
+    not set against a stock estimate (it is stock's, or part of it is)."""
 
     def __init__(self, family: str, settings: str, patch: PatchReport):
         self.family, self.settings, self.patch = family, settings, patch
@@ -78,6 +99,44 @@ class RunReport:
         self.level = None         # the level the run used (a key of the plan's levels)
         self.peak_bytes = None    # CUDA allocator peak during the run (None without CUDA)
         self.ended = "finished"
+        self.estimate = None      # (factor, why): the memory estimate the run started with (patching.memory_factor)
+        self.estimate_restored = False   # ComfyUI's own estimate put back during the run (a module ran stock)
+
+    @property
+    def ran_stock(self) -> list[tuple[str, str]]:
+        """(what, why) of each kind of module that ran ComfyUI's own forward in this run, in order, once each."""
+        return list(dict.fromkeys(found for found in map(stock_fallback, self.fallbacks) if found))
+
+    @property
+    def saving(self) -> str:
+        """`FULL`: every patched module ran the pack's forward (or was meant not to); `NONE`: some ran ComfyUI's
+        own and no attention call went through the pack; `PARTIAL`: some ran ComfyUI's own, others the pack's."""
+        if not self.ran_stock:
+            return FULL
+        return PARTIAL if self.kernels else NONE
+
+    def headline(self) -> Optional[str]:
+        """The report's first line when the run lacked some or all of the saving (None otherwise): what ran
+        ComfyUI's own forward and why; for a part, how many attention calls still went through the pack."""
+        saving = self.saving
+        if saving == FULL:
+            return None
+        what = "; ".join(f"{name} ran as ComfyUI's own ({reason})" for name, reason in self.ran_stock)
+        if saving == NONE:
+            return f"No saving this run: {what}"
+        calls = sum(self.kernels.values())
+        return f"Part of the saving this run: {what}; the rest ran the pack's ({calls} attention calls)"
+
+    def _estimate_line(self) -> Optional[str]:
+        if self.estimate is None:
+            return None
+        factor, why = self.estimate
+        if self.estimate_restored:
+            return (f"memory estimate: x{factor:.2f} at the start ({why}), ComfyUI's own from the first module "
+                    f"that ran ComfyUI's forward on")
+        if factor == 1.0:
+            return f"memory estimate: ComfyUI's own ({why})"
+        return f"memory estimate: x{factor:.2f} ({why})"
 
     @property
     def estimate_bytes(self):
@@ -86,15 +145,20 @@ class RunReport:
     @property
     def stock_estimate_bytes(self):
         """The peak a stock run would have reached: the measured peak with the pack's estimated working set
-        swapped for ComfyUI's (weights, latents and everything else are the same in both)."""
-        if self.peak_bytes is None or self.plan is None or self.level is None:
+        swapped for ComfyUI's (weights, latents and everything else are the same in both). None where modules
+        ran ComfyUI's own forward (the peak is then stock's, or partly)."""
+        if self.peak_bytes is None or self.plan is None or self.level is None or self.saving != FULL:
             return None
         return max(self.peak_bytes, self.peak_bytes - self.estimate_bytes + self.plan.stock_bytes)
 
     def lines(self, notices_logged: bool = False) -> list[str]:
         """The report as text; `notices_logged`: the fallbacks and notes were logged as they happened (the log
         block then counts them instead of repeating them)."""
-        out = [f"{self.family} ({self.settings}), run {self.ended}"]
+        headline = self.headline()
+        out = [] if headline is None else [headline]
+        out.append(f"{self.family} ({self.settings}), run {self.ended}")
+        if headline is not None and self._estimate_line():
+            out.append(self._estimate_line())
         out += self.patch.lines()   # "Wan: 40 self_attn patched", "...: <path> runs as before: <reason>"
         if self.kernels:
             out.append("attention: " + ", ".join(f"{name} x{calls}" for name, calls in self.kernels.items()))
@@ -117,14 +181,20 @@ class RunReport:
         else:
             stock = self.stock_estimate_bytes
             out.append(f"peak VRAM {size(self.peak_bytes)}"
-                       + ("" if stock is None else f"; stock ComfyUI would need about {size(stock)}"))
+                       + ("" if stock is None else f"; stock ComfyUI would need about {size(stock)}")
+                       + ("" if headline is None else " (with ComfyUI's own forwards where the first line says)"))
         if self.plan is not None and self.level is not None:
             out.append(f"working set of the largest block (estimate): {size(self.estimate_bytes)} at "
-                       f"{self.level}, stock {size(self.plan.stock_bytes)}")
+                       f"{self.level}, stock {size(self.plan.stock_bytes)}"
+                       + ("" if headline is None else " (the pack's forwards; not all of this run's were)"))
         return out
 
     def as_payload(self) -> dict:
         return {"family": self.family, "settings": self.settings, "ended": self.ended, "lines": self.lines(),
+                "saving": self.saving, "headline": self.headline(),
+                "ran_stock": [{"what": what, "reason": reason} for what, reason in self.ran_stock],
+                "memory_estimate": None if self.estimate is None else
+                {"factor": self.estimate[0], "why": self.estimate[1], "restored": self.estimate_restored},
                 "backends": self.kernels, "head_groups": {str(k): v for k, v in self.splits.items()},
                 "fallbacks": list(self.fallbacks), "notes": list(self.notes), "reference_caches": list(self.caches),
                 "peak_bytes": self.peak_bytes, "stock_estimate_bytes": self.stock_estimate_bytes,

@@ -39,7 +39,7 @@ def sent(monkeypatch):
     messages = []
     # every copy of the pack in this process: the tests' own and the one ComfyUI's loader imported
     copies = [module for name, module in list(sys.modules.items())
-              if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrapper")]
+              if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrappers")]
     for patching in copies:
         monkeypatch.setattr(patching, "send_to_ui", lambda event, payload: messages.append((event, payload)) or True)
     return messages
@@ -206,10 +206,169 @@ def test_a_failing_report_does_not_fail_the_run(loaded, monkeypatch, caplog):  #
     def broken(event, payload):
         raise ConnectionError("the browser went away")
     for name, module in list(sys.modules.items()):
-        if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrapper"):
+        if name.endswith(".nodes.patching") and hasattr(module, "make_run_wrappers"):
             monkeypatch.setattr(module, "send_to_ui", broken)
     with caplog.at_level(logging.WARNING, logger="ComfyUI-QKV"):
         ex = comfy_env.run_prompt(_prompt(suffix, "no-report", {"head_split": "High", "attention_backend": "auto",
                                                                 "block_bounds": True}))
     assert ex.success, comfy_env.execution_error(ex)
     assert "no run report for this run: ConnectionError: the browser went away" in caplog.text
+
+
+# --- a fallback the user sees (issue 34, item 4) ----------------------------------------------------------------
+def _changed_math(monkeypatch, *classes):
+    """Each class's forward as ComfyUI's own, but with another math (its output scaled): the pack's self-check
+    finds the outputs differ and that module runs ComfyUI's own forward."""
+    import functools
+    for cls in classes:
+        original = cls.forward
+
+        @functools.wraps(original)
+        def forward(self, *args, _original=original, **kwargs):
+            return _original(self, *args, **kwargs) * 1.25
+        monkeypatch.setattr(cls, "forward", forward)
+
+
+def _factor_probe(patched, stock_factor, seen):
+    """Records, inside the pack's run wrapper, the model's estimate as a multiple of stock's: at the run's start
+    (OUTER_SAMPLE) and before each batch of conds (CALC_COND_BATCH, where ComfyUI reads it to size the batch)."""
+    import comfy.patcher_extension as ext
+
+    def outer(executor, *args, **kwargs):
+        seen.append(("run", executor.class_obj.model_patcher.model.memory_usage_factor / stock_factor))
+        return executor(*args, **kwargs)
+
+    def batch(executor, model, *args, **kwargs):
+        seen.append(("batch", model.memory_usage_factor / stock_factor))
+        return executor(model, *args, **kwargs)
+    patched.add_wrapper_with_key(ext.WrappersMP.OUTER_SAMPLE, "zz_probe", outer)
+    patched.add_wrapper_with_key(ext.WrappersMP.CALC_COND_BATCH, "zz_probe", batch)
+
+
+@pytest.fixture
+def pack_node():
+    """nodes.patching of the pack copy the tests patch with, its verdicts forgotten before and after."""
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    compat = importlib.import_module(pack.__name__ + ".nodes.compat")
+    compat.forget_verdicts()
+    yield importlib.import_module(pack.__name__ + ".nodes.patching")
+    compat.forget_verdicts()
+
+
+@pytest.mark.parametrize("block_bounds", [True, False], ids=["block-bounds", "attention-only"])
+def test_a_failed_check_says_no_saving_on_the_first_line(pack_node, sent, monkeypatch, caplog, block_bounds):
+    """Every patched module's self-check fails (ComfyUI's attention with another math): the run is ComfyUI's
+    own. The report's first line (log and node) says this run had no saving, what ran ComfyUI's own and why;
+    the payload carries the state (the bar is not drawn as a saving: tests/test_report_bar.py); no stock
+    estimate is set against the peak; and ComfyUI's memory estimate stays its own, in this run and the next."""
+    import comfy.ldm.wan.model as wan_model
+    _changed_math(monkeypatch, wan_model.WanSelfAttention, wan_model.WanT2VCrossAttention)
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    stock_factor = base.model.memory_usage_factor
+    patched, _ = pack_node.apply_patch(base, "High", "sdpa", block_bounds, node_id="5")
+    seen = []
+    _factor_probe(patched, stock_factor, seen)
+    with caplog.at_level(logging.INFO, logger="ComfyUI-QKV"):
+        for _ in range(2):
+            comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=2)
+    assert base.model.memory_usage_factor == stock_factor
+    assert len(seen) == 6 and all(factor == pytest.approx(1.0) for _, factor in seen)   # both runs, every batch
+    for _, payload in sent:
+        report = payload["report"]
+        json.dumps(report)
+        assert report["saving"] == "none" and report["backends"] == {}
+        ran_stock = {entry["what"]: entry["reason"] for entry in report["ran_stock"]}
+        assert {"Wan self-attention", "Wan cross-attention"} <= set(ran_stock)
+        assert ("Wan block" in ran_stock) == block_bounds
+        assert all(reason.startswith("the outputs differ") for reason in ran_stock.values())
+        first = report["lines"][0]
+        assert first == report["headline"] and first.startswith("No saving this run: ")
+        assert "Wan self-attention ran as ComfyUI's own (the outputs differ" in first
+        assert report["lines"][1].startswith("Wan (High, ") and report["stock_estimate_bytes"] is None
+        assert report["memory_estimate"]["factor"] == 1.0
+        assert any(line.startswith("memory estimate: ComfyUI's own (") for line in report["lines"])
+    assert len(sent) == 2
+    block = caplog.text.split("run report:\n")[-1]
+    assert block.splitlines()[0].strip().startswith("No saving this run: ")   # the log's first line too
+
+
+def test_a_failed_block_check_is_part_of_the_saving(pack_node, sent, monkeypatch):
+    """Only the block's check fails (ComfyUI's block with another math): ComfyUI's block runs, calling the pack's
+    attention modules, which passed theirs. The first line says which share ran ComfyUI's own and why; the
+    estimate stays ComfyUI's (the block's memory is stock's)."""
+    import comfy.ldm.wan.model as wan_model
+    _changed_math(monkeypatch, wan_model.WanAttentionBlock)
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    patched, _ = pack_node.apply_patch(base, "High", "sdpa", True, node_id="5")
+    seen = []
+    _factor_probe(patched, base.model.memory_usage_factor, seen)
+    for _ in range(2):
+        comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
+    assert len(seen) == 4 and all(factor == pytest.approx(1.0) for _, factor in seen)
+    report = sent[-1][1]["report"]
+    assert report["saving"] == "partial" and [entry["what"] for entry in report["ran_stock"]] == ["Wan block"]
+    calls = sum(report["backends"].values())
+    assert calls > 0
+    assert report["lines"][0] == (f"Part of the saving this run: Wan block ran as ComfyUI's own "
+                                  f"({report['ran_stock'][0]['reason']}); the rest ran the pack's "
+                                  f"({calls} attention calls)")
+
+
+def test_a_passing_run_reports_as_before(pack_node, sent):
+    """Checks that pass: the report is unchanged (its first line the family and settings), the state is the full
+    saving, and the next run's estimate is lowered."""
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    stock_factor = base.model.memory_usage_factor
+    patched, _ = pack_node.apply_patch(base, "High", "sdpa", True, node_id="5")
+    seen = []
+    _factor_probe(patched, stock_factor, seen)
+    for _ in range(2):
+        comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
+    runs = [factor for kind, factor in seen if kind == "run"]
+    assert runs[0] == pytest.approx(1.0) and runs[1] < 1.0   # lowered once every forward has passed
+    for _, payload in sent:
+        report = payload["report"]
+        assert report["saving"] == "full" and report["headline"] is None and report["ran_stock"] == []
+        assert report["lines"][0] == "Wan (High, block bounds, backend sdpa), run finished"
+        assert not any(line.startswith(("No saving", "Part of the saving", "memory estimate"))
+                       for line in report["lines"])
+
+
+def test_a_module_that_runs_stock_mid_run_puts_the_estimate_back(pack_node, sent):
+    """A run that started with the lowered estimate (every forward passed before) in which a module then runs
+    ComfyUI's own forward (here its notice, as `compat.guarded` logs it, raised from inside the first model call):
+    ComfyUI's own estimate is back from the next batch of conds on, for the rest of the run, and the report says
+    so; the run after starts lowered again (nothing failed a check)."""
+    import comfy.patcher_extension as ext
+    pack = comfy_env.load_pack()
+    core = importlib.import_module(pack.__name__ + ".qkv_core")
+    base = comfy_env.make_wan("t2v", dim=64, heads=2, layers=1)
+    stock_factor = base.model.memory_usage_factor
+    patched, _ = pack_node.apply_patch(base, "High", "sdpa", True, node_id="5")
+    comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)   # every forward passes its check
+    seen = []
+    _factor_probe(patched, stock_factor, seen)
+    fail = []
+
+    def stock_once(executor, *args, **kwargs):
+        if fail:
+            core.notices.notice_once("stock:test", "[QKV] Wan block runs as ComfyUI's own: a check failed here")
+            fail.clear()
+        return executor(*args, **kwargs)
+    patched.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "zz_stock", stock_once)
+    fail.append(True)
+    comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=3)
+    lowered = seen[0][1]
+    assert seen[0][0] == "run" and lowered < 1.0
+    assert [factor for _, factor in seen[1:]] == [pytest.approx(lowered)] + [pytest.approx(1.0)] * 2
+    assert base.model.memory_usage_factor == stock_factor
+    report = sent[-1][1]["report"]
+    assert report["saving"] == "partial" and report["memory_estimate"]["restored"] is True
+    assert report["lines"][0].startswith("Part of the saving this run: Wan block ran as ComfyUI's own "
+                                         "(a check failed here)")
+    assert any("ComfyUI's own from the first module that ran ComfyUI's forward on" in line
+               for line in report["lines"])
+    seen.clear()
+    comfy_env.run_sample(patched, frames=3, h=8, w=8, steps=1)
+    assert seen[0] == ("run", pytest.approx(lowered)) and sent[-1][1]["report"]["saving"] == "full"

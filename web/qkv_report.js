@@ -5,9 +5,12 @@
 // stock_estimate_bytes, ...}}, nodes/report.py) at the end of every run of a patched model. The report is
 // kept in node.properties.qkv_report, which is saved with the workflow: it is still there after a page
 // reload. The planner's text comes as its node's ui output ("text") and is kept the same way. Without a report
-// the node is drawn as ComfyUI draws it.
+// the node is drawn as ComfyUI draws it. The bar under the report (web/qkv_bar.js) shows the peak against stock's
+// for a run with the whole saving, and a grey bar that says so for a run in which modules ran ComfyUI's own
+// forward (the report's `saving`; its first line says which and why).
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
+import { barState, drawBar } from "./qkv_bar.js";
 
 const NODE_TYPE = "QKVAttentionPatch";
 const PLANNER_TYPE = "QKVVRAMPlanner";
@@ -16,7 +19,6 @@ const LINE_HEIGHT = 14;
 const BAR_HEIGHT = 12;
 const PAD = 8;
 const MAX_LINES = 18;
-const GiB = 2 ** 30;
 
 function findNode(id) {
   const graph = app.graph;
@@ -88,27 +90,10 @@ function reportTop(node) {
   return top + PAD;
 }
 
-function hasBar(report) {
-  return Number.isFinite(report?.peak_bytes) && Number.isFinite(report?.stock_estimate_bytes) &&
-    report.stock_estimate_bytes > 0;
-}
-
 function neededHeight(node, lines) {
   const report = reportOf(node);
   if (!report) return 0;
-  return reportTop(node) + lines.length * LINE_HEIGHT + (hasBar(report) ? BAR_HEIGHT + 2 * LINE_HEIGHT : 0) + PAD;
-}
-
-function drawBar(ctx, node, report, y) {
-  const width = node.size[0] - 2 * PAD;
-  const share = Math.min(1, report.peak_bytes / report.stock_estimate_bytes);
-  ctx.fillStyle = "#553333";
-  ctx.fillRect(PAD, y, width, BAR_HEIGHT);
-  ctx.fillStyle = "#3a8a4a";
-  ctx.fillRect(PAD, y, width * share, BAR_HEIGHT);
-  ctx.fillStyle = "#ddd";
-  ctx.fillText(`peak ${(report.peak_bytes / GiB).toFixed(2)} GiB of stock's ~${(report.stock_estimate_bytes / GiB).toFixed(2)} GiB` +
-    ` (${Math.round(share * 100)}%)`, PAD, y + BAR_HEIGHT + LINE_HEIGHT - 2);
+  return reportTop(node) + lines.length * LINE_HEIGHT + (barState(report) ? BAR_HEIGHT + 2 * LINE_HEIGHT : 0) + PAD;
 }
 
 function drawReport(node, ctx) {
@@ -130,7 +115,9 @@ function drawReport(node, ctx) {
     ctx.fillText(line, PAD, y);
     y += LINE_HEIGHT;
   }
-  if (hasBar(report)) drawBar(ctx, node, report, y);
+  const bar = barState(report);
+  node.qkvDrawnBar = bar;   // kept for tests, like the lines
+  if (bar) drawBar(ctx, bar, PAD, y, node.size[0] - 2 * PAD, BAR_HEIGHT, LINE_HEIGHT);
   ctx.restore();
 }
 
