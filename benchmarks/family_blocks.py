@@ -10,8 +10,8 @@ adapters' relative imports resolve. Peaks are the working set above the live inp
 (the image stream of a double block, the joined stream of a single block). Outputs: "diff", the largest
 difference relative to stock's largest value; "moved", the share of tokens moved by over 5% of their norm; for
 blocks that route tokens to experts (HiDream), "rerouted", the tokens whose error is over `REROUTED_FACTOR` x the
-median nonzero token error (other experts than stock's: a tie crossed by round-off), and "rest diff", "diff" over the others.
-Not part of the node pack.
+median nonzero token error (other experts than stock's: a tie crossed by round-off), and "rest diff", "diff"
+over the other tokens. Not part of the node pack.
 """
 from __future__ import annotations
 

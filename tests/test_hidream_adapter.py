@@ -1,10 +1,12 @@
 """The HiDream-I1 adapter (`nodes/hidream.py`) against a real ComfyUI, on a tiny random-weight HiDream built from
 ComfyUI's own config class (the split floor lowered to 0 so that a few hundred tokens split): every attention and
-block is patched and the model equals stock at every level, in float32 and bf16; the bounded block's peak (CPU
-MemTracker, its mixture of experts by token chunks); the routed self-check's tolerance; what the pack does not
-take runs ComfyUI's own with a log line: a RoPE that covers only part of each head (other configurations), a
-per-token key multiplier (`image_tokens_masks`), another node's `attn1_patch`, a processor another node put in. (The contract test runs the split at real sizes, a 2-step
-sample and a LoRA: tests/test_family_contract.py.) Skipped without ComfyUI."""
+block is patched and the model equals stock at every level, in float32 and bf16; the pack's mixture of experts
+equals ComfyUI's module (float32 within 1e-6, bf16 but near a routing tie: none differ on the CPU) and one it does
+not know runs the module; the bounded block's peak (CPU MemTracker) and its rerouted tokens; the routed
+self-check's tolerance; what the pack does not take runs ComfyUI's own with a log line: a RoPE that covers only
+part of each head (other configurations), a per-token key multiplier (`image_tokens_masks`), another node's
+`attn1_patch`, a processor another node put in. (The contract test runs the split at real sizes, a 2-step sample
+and a LoRA: tests/test_family_contract.py.) Skipped without ComfyUI."""
 from __future__ import annotations
 
 import importlib
