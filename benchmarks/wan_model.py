@@ -107,13 +107,24 @@ def _convert(key: str, value: torch.Tensor, fmt: str, gguf_ops) -> dict:
     return {key: gguf_ops.GGMLTensor(value, tensor_type=types.F32, tensor_shape=value.shape)}
 
 
+class _EagerOps(comfy.ops.disable_weight_init):
+    """ComfyUI's layers with their parameters made at construction: under Dynamic VRAM its Linear and Embedding
+    leave them to the state dict's load (no shapes to list). A class of their own load keeps them eager."""
+
+    class Linear(comfy.ops.disable_weight_init.Linear):
+        _load_from_state_dict = torch.nn.Linear._load_from_state_dict
+
+    class Embedding(comfy.ops.disable_weight_init.Embedding):
+        _load_from_state_dict = torch.nn.Embedding._load_from_state_dict
+
+
 def wan_state_dict(fmt: str, config: dict, device, seed: int = 0, gguf_ops=None) -> dict:
     """A random-weight Wan state dict (ComfyUI's key names, as in a diffusion-model file) in `fmt`, on the CPU.
     Block 0 is drawn on `device` and converted there; the other blocks are copies of it (random values do
     not change memory or time; drawing 14B of them on a CPU would take minutes)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in
-                  wan_model.WanModel(**config, operations=comfy.ops.disable_weight_init).state_dict().items()}
+                  wan_model.WanModel(**config, operations=_EagerOps).state_dict().items()}
     generator = torch.Generator(device=device).manual_seed(seed)
     sd, block0 = {}, {}
     for key, shape in shapes.items():

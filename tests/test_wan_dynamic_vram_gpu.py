@@ -72,6 +72,7 @@ def in_child():
     except (ImportError, SystemExit) as e:
         print(f"SKIP ComfyUI at {root} does not load: {e}")
         return
+    state = float_state_dict()   # before Dynamic VRAM: its layers take their weights from a state dict
     problem = dynamic_vram.enable()
     if problem:
         print(f"SKIP {problem}")
@@ -82,7 +83,7 @@ def in_child():
     head_split = importlib.import_module(f"{package}.qkv_core.head_split")
     head_split.SPLIT_FLOOR_TOKENS = RUNTIME_FLOOR
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    base = make_model()
+    base = make_model(state)
     try:
         reference = run(base)
     except RuntimeError as error:   # ComfyUI's own Dynamic VRAM loading, before the pack is involved
@@ -102,14 +103,27 @@ def in_child():
         "again_equal": bool(torch.equal(again, reference))}), flush=True)
 
 
-def make_model():
-    import comfy.model_management
-    import comfy.model_patcher
+def _model():
     cls, cfg = comfy_env._wan_config("t2v", DIM, HEADS, LAYERS, None, 32, 1, {})
     model_config = cls(cfg)
     model_config.set_inference_dtype(torch.float32, None)
-    model = model_config.get_model({}, device=torch.device("cpu"))
+    return model_config.get_model({}, device=torch.device("cpu"))
+
+
+def float_state_dict() -> dict:
+    """The tiny Wan's random weights as a diffusion model file holds them (made with ComfyUI's eager layers)."""
+    model = _model()
     comfy_env.fill_random_(model.diffusion_model, seed=0)
+    return {f"diffusion_model.{k}": v for k, v in model.diffusion_model.state_dict().items()}
+
+
+def make_model(state: dict):
+    """The model built and loaded as ComfyUI's loader does under Dynamic VRAM (`load_model_weights` of a state
+    dict: its layers' weights stay where aimdo puts them), in a `ModelPatcherDynamic`."""
+    import comfy.model_management
+    import comfy.model_patcher
+    model = _model()
+    model.load_model_weights(state, "diffusion_model.")
     model.eval()
     patcher = comfy.model_patcher.ModelPatcherDynamic(model, load_device=comfy.model_management.get_torch_device(),
                                                       offload_device=torch.device("cpu"))
