@@ -59,8 +59,6 @@ def unsupported(name: str, device="cpu") -> Optional[str]:
     """Why this ComfyUI cannot build format `name` (None when it can)."""
     import comfy.ops
     if name in SCALED:
-        if not hasattr(comfy.ops, "mixed_precision_ops") or not hasattr(comfy.ops, "CastBiasWeightContext"):
-            return "this ComfyUI has no mixed-precision (fp8-scaled) ops with row slices"
         if name == "int8_tensorwise":
             try:
                 from comfy.quant_ops import QUANT_ALGOS
@@ -68,6 +66,8 @@ def unsupported(name: str, device="cpu") -> Optional[str]:
                 return "this ComfyUI has no comfy.quant_ops"
             if "int8_tensorwise" not in QUANT_ALGOS:
                 return "this ComfyUI has no int8_tensorwise entry in comfy.quant_ops.QUANT_ALGOS"
+        if not hasattr(comfy.ops, "mixed_precision_ops") or not hasattr(comfy.ops, "CastBiasWeightContext"):
+            return "this ComfyUI has no mixed-precision (fp8-scaled) ops with row slices"
         if name == "fp8_scaled_file":
             import comfy.utils
             if not hasattr(comfy.utils, "convert_old_quants"):
