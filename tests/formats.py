@@ -29,7 +29,6 @@ timestep stays float32).
 from __future__ import annotations
 
 import json
-import re
 from typing import NamedTuple, Optional
 
 import comfy_env
@@ -83,19 +82,24 @@ def unsupported(name: str, device="cpu") -> Optional[str]:
     return None
 
 
-_BLOCK_PATH = re.compile(r"(^|\.)\d+\.")
+_BLOCK_LISTS = ("block", "layer", "refiner")
 
 
 def block_linear_keys(diffusion_model) -> list:
-    """The `.weight` keys of the 2-D Linear layers inside the transformer blocks (any layer under a ModuleList of
-    the diffusion model: `blocks.N.`, `double_blocks.N.`, `layers.N.`, ...), what fp8-scaled files quantize."""
+    """The `.weight` keys of the 2-D Linear layers inside the transformer blocks (under a ModuleList whose name
+    says blocks, layers or refiners: `blocks.N.`, `double_blocks.N.`, Lumina's `layers.N.` and refiners, ...; not
+    the embedders, even those in a Sequential or a list of projections), what fp8-scaled files quantize."""
     import torch
-    keys = []
-    for name, module in diffusion_model.named_modules():
-        if isinstance(module, torch.nn.Linear) and _BLOCK_PATH.search(name + ".") and "norm" not in name \
-                and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
-            keys.append(f"{name}.weight")
-    return keys
+    keys = set()
+    for list_name, container in diffusion_model.named_modules():
+        if not isinstance(container, torch.nn.ModuleList) or \
+                not any(word in list_name.rsplit(".", 1)[-1] for word in _BLOCK_LISTS):
+            continue
+        for name, module in container.named_modules():
+            if isinstance(module, torch.nn.Linear) and "norm" not in name and \
+                    getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+                keys.add(f"{list_name}.{name}.weight")
+    return sorted(keys)
 
 
 def float_state_dict(patcher) -> dict:
