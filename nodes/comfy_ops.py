@@ -281,6 +281,9 @@ def not_row_sliceable(linear) -> Optional[str]:
         return f"{type(linear).__name__} has no 2-D weight"
     if dequantizes_itself(linear) or fp8_matmul_rows(linear):
         return None
+    if gguf_layer_without_quants(linear) and isinstance(linear, comfy.ops.manual_cast.Linear) and \
+            weight.dtype.is_floating_point:
+        return None   # ComfyUI's manual-cast Linear computes it: the cast weight's rows are exact
     if _is_quantized(weight) or _is_quantized(getattr(weight, "data", None)):
         mode, problem = quantized_rows_mode(linear) if _is_quantized(weight) else (None, "wrapped")
         if mode is not None:
@@ -384,12 +387,13 @@ class CastLinear:
         self.weight = self.bias = None
 
 
-def _gguf_layer_without_weights(norm) -> bool:
-    """city96/ComfyUI-GGUF's LayerNorm (`GGMLLayer`) with nothing quantized: its cast method then runs ComfyUI's
-    (`forward_comfy_cast_weights` of ComfyUI's LayerNorm), so the layer computes what ComfyUI's does. Told by
-    structure, as `dequantizes_itself`."""
-    is_quantized = getattr(norm, "is_ggml_quantized", None)
-    if not (callable(is_quantized) and callable(getattr(type(norm), "forward_ggml_cast_weights", None))):
+def gguf_layer_without_quants(layer) -> bool:
+    """A layer of city96/ComfyUI-GGUF (`GGMLLayer`) with nothing quantized (its F16 / F32 files, and the layers a
+    quantized file keeps in F16 or F32): its forward then runs ComfyUI's own (`forward_comfy_cast_weights` of
+    ComfyUI's manual-cast Linear or LayerNorm: `cast_bias_weight`, then the plain op), so the layer computes what
+    ComfyUI's does. Told by structure, as `dequantizes_itself`."""
+    is_quantized = getattr(layer, "is_ggml_quantized", None)
+    if not (callable(is_quantized) and callable(getattr(type(layer), "forward_ggml_cast_weights", None))):
         return False
     try:
         return not is_quantized()
@@ -407,7 +411,7 @@ def plain_layer_norm_eps(norm) -> Optional[float]:
     cls = type(norm)
     cast = getattr(cls, "forward_comfy_cast_weights", None)
     if cls.forward not in _CANONICAL_LAYER_NORM_FORWARDS or \
-            (cast is not None and cast not in _CANONICAL_LAYER_NORM_CASTS and not _gguf_layer_without_weights(norm)):
+            (cast is not None and cast not in _CANONICAL_LAYER_NORM_CASTS and not gguf_layer_without_quants(norm)):
         return None
     return norm.eps
 

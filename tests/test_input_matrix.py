@@ -34,8 +34,8 @@ on CUDA with 4x the tokens, every conditioning of every family; there the layers
 fp8 matmuls (a scaled-mm kernel must run in ComfyUI's own forward). Skipped without ComfyUI; formats a ComfyUI
 lacks skip with the reason (v0.8.0: the mixed-precision formats, fp8-scaled and int8_tensorwise).
 
-A GGUF F16 file (every Linear weight a torch-compatible F16 GGML tensor) loses the head split: strict xfail
-(`GGUF_F16_REASON`).
+A GGUF F16 file (every Linear weight a torch-compatible F16 GGML tensor, as city96 publishes them beside the
+quantized ones) splits too: its layers compute ComfyUI's own cast-then-linear (`comfy_ops.gguf_layer_without_quants`).
 """
 from __future__ import annotations
 
@@ -375,15 +375,6 @@ def test_row(env, models, family, fmt, cond):
     run_row(env, models(family, fmt), family, cond)
 
 
-GGUF_F16_REASON = (
-    "nodes/comfy_ops.py `unsliceable`: a ComfyUI-GGUF Linear whose weight is a torch-compatible GGML tensor (F16 "
-    "or F32: city96's F16 files, and the layers a quantized file keeps in F16/F32) is neither `dequantizes_itself` "
-    "(is_ggml_quantized() is False) nor a canonical ComfyUI Linear (GGMLLayer overrides forward_comfy_cast_weights), "
-    "so the adapter reports 'GGMLOps.Linear computes its own way' and the whole model runs without the head split "
-    "(no saving), although that layer computes cast_bias_weight + F.linear like ComfyUI's own")
-
-
-@pytest.mark.xfail(strict=True, reason=GGUF_F16_REASON)
 @pytest.mark.parametrize("family", ["wan", "flux"])
 def test_gguf_f16_file_splits(env, family):
     """A GGUF F16 file (every 2-D Linear weight F16, as city96 publishes them next to the quantized ones): the
