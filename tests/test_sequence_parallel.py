@@ -38,6 +38,28 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
+def _yunchang_single(x, layers, norm) -> torch.Tensor:
+    """Ulysses' single exchange through yunchang's own all-to-all (the one xFuser's attention calls)."""
+    import torch.nn.functional as F
+    from yunchang.comm.all_to_all import all_to_all_4D
+    from qkv_core import HeadGroup
+    q_proj, k_proj, v_proj, o_proj = layers
+    b, n = x.shape[:2]
+    q, k = q_proj(x).view(b, n, HEADS, HEAD_DIM), k_proj(x).view(b, n, HEADS, HEAD_DIM)
+    norm(q, k, HeadGroup(range(HEADS), range(HEADS)))
+    q, k, v = (all_to_all_4D(t, 2, 1) for t in (q, k, v_proj(x).view(b, n, HEADS, HEAD_DIM)))
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    return o_proj(all_to_all_4D(out.contiguous(), 1, 2).flatten(2))
+
+
+def _has_yunchang() -> bool:
+    try:
+        import yunchang.comm.all_to_all  # noqa: F401
+        return True
+    except Exception:
+        return False
+
+
 def _numerics(rank: int, world: int) -> dict:
     """Errors of every variant on this rank, by name."""
     from benchmarks.ulysses import NormRope, make_layer, single_exchange, single_process
@@ -56,6 +78,9 @@ def _numerics(rank: int, world: int) -> dict:
                 x = x_full[:, local].clone()
                 single = single_exchange(x, layers, HEADS, HEAD_DIM, norm)
                 errors[f"{family} b{batch} single exchange vs single process"] = _err(single, want)
+                if _has_yunchang():
+                    errors[f"{family} b{batch} yunchang single exchange vs single process"] = \
+                        _err(_yunchang_single(x, layers, norm), want)
                 for count in valid_group_counts(HEADS, world):
                     for o_columns in (False, True):
                         got = ulysses_qkv_attention([x.clone()], *layers[:3], HEADS, HEAD_DIM, norm, o_proj=layers[3],
@@ -146,6 +171,16 @@ def test_grouped_exchange_equals_single_exchange_and_single_process(spawned):
     assert len([k for k in worst if "grouped" in k]) >= 4 * len(valid_group_counts(HEADS, world))
     bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
     assert not bad, bad
+
+
+def test_single_exchange_through_yunchang(spawned):
+    """Where yunchang (xFuser's Ulysses all-to-all) is installed, its single exchange gives the same result."""
+    if not _has_yunchang():
+        pytest.skip("yunchang is not installed (pip install yunchang; xFuser itself does not import without a GPU)")
+    world, results = spawned
+    names = [k for k in results[0]["errors"] if "yunchang" in k]
+    assert len(names) == 4
+    assert max(r["errors"][k] for r in results for k in names) <= TOLERANCE
 
 
 def test_peak_per_rank_falls_with_group_count(spawned):
