@@ -314,11 +314,11 @@ def _print(results: list[dict], as_json: bool) -> None:
     first = results[0]
     print(f"Ulysses, {first['family']} layer, {first['tokens']} tokens over {first['world']} ranks "
           f"({first['local_tokens']} a rank), {first['dtype']} on {first['device']}")
-    print(f"{'method':<18} " + " ".join(f"{'rank ' + str(r['rank']) + ' peak':>16}" for r in results) +
+    print(f"{'method':<18} " + " ".join(f"{'rank ' + str(r['rank']) + ' peak':>22}" for r in results) +
           f" {'time (s)':>10} {'max rel err':>12}")
     for name in first["methods"]:
         entries = [r["methods"][name] for r in results]
-        peaks = " ".join(f"{e['peak_x']:>8.3f} x|x| {e['peak_gib']:>5.2f}G"[-16:].rjust(16) for e in entries)
+        peaks = " ".join(f"{e['peak_x']:.3f} x|x| {e['peak_gib']:.3f} GiB".rjust(22) for e in entries)
         err = max((e.get("max_rel_err", float("nan")) for e in entries), default=float("nan"))
         print(f"{name:<18} {peaks} {max(e['seconds'] for e in entries):>10.4f} {err:>12.2e}")
 
