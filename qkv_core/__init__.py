@@ -16,11 +16,13 @@ from .projections import (FusedRows, LinearRows, PreparedProjection, RowProjecti
 from .q8 import dequantize_q8, dequantize_q8_into, merge_lse_, quantize_q8
 from .tally import Tally, drain_tally
 from .runtime import cross_qkv_attention, joint_qkv_attention, kv_first_attention, qkv_attention, rows_
+from .sequence_parallel import ulysses_qkv_attention
 
 __version__ = "0.2.0"
 
 __all__ = [
     "qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention", "rows_",
+    "ulysses_qkv_attention",
     "AttentionOptions",
     "HeadGroup", "head_groups", "group_count", "split_plan", "SplitPlan", "parse_level", "set_head_split_level",
     "get_head_split_level",

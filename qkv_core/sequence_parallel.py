@@ -47,7 +47,10 @@ def process_group_of(group) -> Optional[dist.ProcessGroup]:
     """The `torch.distributed` process group of `group`: itself, None (the default group), or for xFuser's
     coordinator (`get_sp_group()`) its Ulysses group. A coordinator with a ring degree above 1 is a `ValueError`:
     the grouped exchange is Ulysses only."""
-    if group is None or isinstance(group, dist.ProcessGroup):
+    if not dist.is_available():
+        raise ValueError("torch.distributed is not available in this torch build: the exchange needs it")
+    process_group = dist.ProcessGroup
+    if group is None or isinstance(group, process_group):
         return group
     ring = getattr(group, "ring_world_size", 1)
     if ring is not None and ring > 1:
@@ -56,7 +59,7 @@ def process_group_of(group) -> Optional[dist.ProcessGroup]:
                          f"attention to xFuser")
     for name in ("ulysses_group", "device_group"):
         found = getattr(group, name, None)
-        if isinstance(found, dist.ProcessGroup):
+        if isinstance(found, process_group):
             return found
     raise ValueError(f"group must be a torch.distributed ProcessGroup, None (the default group) or xFuser's "
                      f"sequence-parallel coordinator (get_sp_group()), not {type(group).__name__}")

@@ -9,7 +9,7 @@ Every rank builds the same layer and the whole sequence, keeps its shard, and ch
 - its peak working set (MemTracker, above the live input and weights, as a multiple of the local |x|) falls
   with the group count and stays under the single exchange's;
 - the refusals (`ValueError`s naming the fix) come before any communication.
-One spawn per world size serves every test of this module (results handed back as JSON).
+One spawn per world size (results handed back as JSON); yunchang's all-to-all is compared where installed.
 """
 from __future__ import annotations
 
@@ -136,7 +136,9 @@ def _case_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        result = {"refusals": _refusals(world)}   # first: a refusal that communicated would hang the next step
+        import sys
+        result = {"rank": rank, "comfy": [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]}
+        result["refusals"] = _refusals(world)   # first: a refusal that communicated would hang the next step
         result["errors"] = _numerics(rank, world)
         result["peaks"] = _peaks(rank, world)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -146,50 +148,49 @@ def _case_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def spawned(request):
+def _spawn(world: int) -> list[dict]:
+    """Every rank's results on `world` CPU processes (gloo, a file rendezvous)."""
     import torch.multiprocessing as mp
-    world = request.param
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_case_rank, args=(world, os.path.join(tmp, "rendezvous"), tmp), nprocs=world, join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 results.append(json.load(f))
-    return world, results
+    return results
 
 
-def test_grouped_exchange_equals_single_exchange_and_single_process(spawned):
-    world, results = spawned
+# One test a world size, so that each spawns once (under pytest-xdist too); its parts are checked in turn.
+@pytest.mark.parametrize("world", [2, 4])
+def test_grouped_exchange_on_gloo(world):
+    results = _spawn(world)
+    _check_errors(world, results)
+    _check_peaks(world, results)
+    _check_refusals(world, results)
+
+
+def _check_errors(world: int, results: list[dict]) -> None:
+    """The grouped exchange equals Ulysses' single exchange (also yunchang's, where installed) and the single
+    process, float32, within 1e-5, on every rank."""
     worst = {}
     for result in results:
         for name, err in result["errors"].items():
             worst[name] = max(worst.get(name, 0.0), err)
-    print(f"\nworld {world}: largest error {max(worst.values()):.2e} "
-          f"({max(worst, key=worst.get)})")
+    print(f"\nworld {world}: largest error {max(worst.values()):.2e} ({max(worst, key=worst.get)}); "
+          f"yunchang {'compared' if any('yunchang' in k for k in worst) else 'not installed'}")
     assert any("wan" in k for k in worst) and any("flux" in k for k in worst)
-    assert len([k for k in worst if "grouped" in k]) >= 4 * len(valid_group_counts(HEADS, world))
+    assert len([k for k in worst if "grouped" in k]) >= 8 * len(valid_group_counts(HEADS, world))
     bad = {k: v for k, v in worst.items() if not v <= TOLERANCE}
     assert not bad, bad
 
 
-def test_single_exchange_through_yunchang(spawned):
-    """Where yunchang (xFuser's Ulysses all-to-all) is installed, its single exchange gives the same result."""
-    if not _has_yunchang():
-        pytest.skip("yunchang is not installed (pip install yunchang; xFuser itself does not import without a GPU)")
-    world, results = spawned
-    names = [k for k in results[0]["errors"] if "yunchang" in k]
-    assert len(names) == 4
-    assert max(r["errors"][k] for r in results for k in names) <= TOLERANCE
-
-
-def test_peak_per_rank_falls_with_group_count(spawned):
-    world, results = spawned
+def _check_peaks(world: int, results: list[dict]) -> None:
+    """Per rank, the peak falls with the group count and stays under the single exchange's."""
     for result in results:
         peaks = result["peaks"]
         counts = sorted(int(k.split()[1]) for k in peaks if k.startswith("grouped"))
         grouped = [peaks[f"grouped {c}"] for c in counts]
-        print(f"\nworld {world}: single exchange {peaks['single exchange']:.3f} x|x|, grouped "
+        print(f"world {world} rank {result['rank']}: single exchange {peaks['single exchange']:.3f} x|x|, grouped "
               + ", ".join(f"{c}: {p:.3f}" for c, p in zip(counts, grouped)))
         assert counts == valid_group_counts(MEMORY["heads"], world)
         assert all(later < earlier for earlier, later in zip(grouped, grouped[1:])), grouped
@@ -198,8 +199,8 @@ def test_peak_per_rank_falls_with_group_count(spawned):
         assert grouped[-1] >= 1.0   # at least the result: the measurement saw the call
 
 
-def test_refusals_name_the_fix(spawned):
-    world, results = spawned
+def _check_refusals(world: int, results: list[dict]) -> None:
+    assert results[0]["comfy"] == []   # qkv_core never imports ComfyUI
     refusals = results[0]["refusals"]
     assert "use one of" in refusals["bad group count"]
     assert "multiple of the world size" in refusals["heads per group not a multiple of the world"]
