@@ -19,7 +19,7 @@ multiple of its local |x| = local tokens x 5120 x bytes, the median time, and (`
 of each method's output against the single-process result of the whole sequence (`qkv_core.qkv_attention`
 unsplit, then o). One JSON line per rank with `--json`.
 
-docs/benchmarks.md#ulysses has the command of the 2-GPU run and its results.
+docs/benchmarks.md#ulysses has the command of the 2-GPU run (not yet measured) and the CPU figures.
 """
 from __future__ import annotations
 
