@@ -670,17 +670,18 @@ def load_pack_module(name: str, path: Optional[str], device: torch.device, flags
     """ComfyUI set up (`setup_comfyui`), then `benchmarks/<name>.py` imported as `<PACK_PACKAGE>.benchmarks.<name>`:
     returns (module, ComfyUI root, notes).
 
-    The workloads import the pack's adapter relatively (`from ..nodes import wan`, `from ..qkv_core import ...`,
-    `from .memory import ...`), so they are imported inside a package made for the whole pack: `PACK_PACKAGE`
+    The workloads import the pack's adapter relatively (`from ..nodes.families import wan`, `from ..qkv_core import
+    ...`, `from .memory import ...`), so they are imported inside a package made for the whole pack: `PACK_PACKAGE`
     and `<PACK_PACKAGE>.nodes` are empty package objects over the repository root and `nodes/` (neither
     `__init__.py` runs: they import comfy_api, i.e. pydantic, av, ... that a bare benchmark machine lacks),
-    so the relative imports of `nodes/wan.py` (`from ..qkv_core import ...`, `from .comfy_ops import ...`)
-    resolve inside it. `<PACK_PACKAGE>.qkv_core` and `<PACK_PACKAGE>.benchmarks` are this process's
+    so the relative imports of `nodes/families/wan.py` (`from ...qkv_core import ...`, `from ..comfy_ops import
+    ...`) resolve inside it. `<PACK_PACKAGE>.qkv_core` and `<PACK_PACKAGE>.benchmarks` are this process's
     `qkv_core` and `benchmarks` (`SHARED_PACKAGES`: the same module objects), so `scaled_runtime` and the
     notices reach the code the adapter calls and the workloads measure with this runner's `memory`. Nothing
     in `qkv_core/` or `nodes/` imports `benchmarks`."""
-    if not (PACK_ROOT / "nodes" / "wan.py").is_file() or not (PACK_ROOT / "benchmarks" / f"{name}.py").is_file():
-        raise SystemExit(f"--comfyui needs the repository checkout (nodes/wan.py and benchmarks/{name}.py "
+    if not (PACK_ROOT / "nodes" / "families" / "wan.py").is_file() or \
+            not (PACK_ROOT / "benchmarks" / f"{name}.py").is_file():
+        raise SystemExit(f"--comfyui needs the repository checkout (nodes/families/wan.py and benchmarks/{name}.py "
                          f"under {PACK_ROOT})")
     root = find_comfyui(path)
     notes = setup_comfyui(root, device, flags)

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..nodes import flux, hidream, qwen_image
+from ..nodes.families import flux, hidream, qwen_image
 from ..nodes.dispatch import QKVConfig, family_config
 from ..qkv_core import parse_level
 from . import memory

@@ -1,7 +1,7 @@
 """Benchmark workload: ComfyUI's own Wan 2.x 14B `WanAttentionBlock` (`python -m benchmarks.bench --comfyui`).
 
 Not part of the node pack's runtime (until this change it was `nodes/bench_wan.py`). It imports ComfyUI and
-the pack's adapter relatively (`from ..nodes import wan`, `from ..qkv_core import ...`, `from .memory import
+the pack's adapter relatively (`from ..nodes.families import wan`, `from ..qkv_core import ...`, `from .memory import
 ...`), so it is imported only as `<pack package>.benchmarks.wan_block`: the runner (`benchmarks/bench.py`,
 `load_pack_module`) makes that package for the pack without running the pack's `__init__.py` or
 `nodes/__init__.py` (they import `comfy_api`, which needs packages a bare benchmark machine lacks), after it
@@ -33,7 +33,8 @@ from comfy.ldm.flux.layers import EmbedND
 
 import time
 
-from ..nodes import comfy_ops, compat, wan
+from ..nodes import comfy_ops, compat
+from ..nodes.families import wan
 from ..nodes.dispatch import QKVConfig
 from ..qkv_core import LEVEL_NAMES, group_count
 from .memory import GiB, measure_peak

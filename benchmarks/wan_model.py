@@ -46,7 +46,7 @@ import comfy.ops
 
 from ..nodes.compat import all_checked, forget_verdicts
 from ..nodes.patching import apply_patch
-from ..nodes.wan import stock_functions
+from ..nodes.families.wan import stock_functions
 from ..nodes.report import logger
 from .wan_block import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
                         random_like)

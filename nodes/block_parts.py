@@ -1,6 +1,6 @@
 """Pieces of a bounded transformer block that every family shares: a residual stream's feed-forward by token
-chunks, in place, with its weights cast once. A family's block (`nodes/wan.py`, `nodes/flux.py`) composes them
-with what is its own (modulation, the order of its residual updates)."""
+chunks, in place, with its weights cast once. A family's block (`nodes/families/wan.py`, `nodes/families/flux.py`)
+composes them with what is its own (modulation, the order of its residual updates)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The contract every model-family adapter meets (`nodes/wan.py` is the first), so that `nodes/patching.py`
+"""The contract every model-family adapter meets (`nodes/families/wan.py` is the first), so that `nodes/patching.py`
 patches, plans memory for and reports on any family the same way.
 
 An adapter is a module (or any object) with these names; `patching.ADAPTERS` lists them in the order they are

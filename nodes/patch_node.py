@@ -4,6 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from .dispatch import AUTO, QKVConfig, backend_choices
+from .families import display_names
 from .patching import LEVELS, apply_patch, find_adapter
 from .planner import compute_dtype, plan as plan_working_set
 from .reference_cache import FORMATS, STORAGE, ReferenceCache, add_reference_cache
@@ -18,9 +19,8 @@ class QKVPatch(io.ComfyNode):
             category="model_patches/attention",
             description="Runs the model's q/k/v projection and attention through ComfyUI-QKV: attention by groups "
                         "of heads and block-level bounds on every transient, for less VRAM at the same "
-                        "results. Put it after the model loader. Adapted: Wan, Flux (1, 2, Chroma), HunyuanVideo, "
-                        "Qwen-Image, LTX-Video, Lumina 2 / Z-Image, Kandinsky 5, SD3.5, Cosmos, HiDream; other models get "
-                        "the attention kernel only; anything unsupported passes through unchanged.",
+                        f"results. Put it after the model loader. Adapted: {', '.join(display_names())}; other "
+                        "models get the attention kernel only; anything unsupported passes through unchanged.",
             inputs=[
                 io.Model.Input("model"),
                 io.Combo.Input("head_split", options=list(LEVELS), default="High",

@@ -491,7 +491,7 @@ def pack_modules():
     pack = load_pack()
     return types.SimpleNamespace(torch=torch, pack=pack,
                                  node=importlib.import_module(pack.__name__ + ".nodes.patching"),
-                                 wan=importlib.import_module(pack.__name__ + ".nodes.wan"),
+                                 wan=importlib.import_module(pack.__name__ + ".nodes.families.wan"),
                                  compat=importlib.import_module(pack.__name__ + ".nodes.compat"),
                                  ops=importlib.import_module(pack.__name__ + ".nodes.comfy_ops"),
                                  core=importlib.import_module(pack.__name__ + ".qkv_core"))

@@ -266,13 +266,34 @@ def hidream() -> Case:
                 torch.zeros(1, 16, 128, 128), conds, 4)
 
 
+def kandinsky5() -> Case:
+    """Kandinsky 5 video (a text block, then visual blocks with per-head RMSNorm q/k, pair RoPE over three axes and
+    a text cross-attention; 2 x 4 x 32 x 32 = 2 x 4,096 tokens; tests/test_kandinsky5_adapter.py's tiny model).
+    Skipped where ComfyUI has no Kandinsky 5 (before v0.4)."""
+    import importlib.util
+    import torch
+    if importlib.util.find_spec("comfy.ldm.kandinsky5") is None:
+        pytest.skip("this ComfyUI has no Kandinsky 5")
+    from test_kandinsky5_adapter import POOLED_DIM, TEXT_DIM, kandinsky_inputs, kandinsky_model
+    patcher = kandinsky_model()
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]],
+                [[torch.randn(1, 12, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]])
+    return Case(patcher, lambda: kandinsky_inputs(torch, latent=(2, 33, 4, 64, 64), text_tokens=12),
+                "diffusion_model.visual_transformer_blocks.0.self_attention.to_query.weight",
+                torch.zeros(1, 16, 4, 64, 64), conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
-         "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
+         "kandinsky5": kandinsky5, "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
          "hidream": hidream}
-# each case's adapter module (nodes/<name>.py)
+# each case's adapter module (nodes/families/<name>.py): together they cover every family of the registry
+# (nodes/families/__init__.py; tests/test_family_contract.py checks it)
 ADAPTER_MODULES = {"wan": "wan", "flux": "flux", "hunyuan_video": "flux", "qwen_image": "qwen_image",
-                   "lumina2": "lumina", "ltx_video": "ltx", "sd3": "sd3", "cosmos_predict2": "cosmos",
-                   "hidream": "hidream"}
+                   "lumina2": "lumina", "kandinsky5": "kandinsky5", "ltx_video": "ltx", "sd3": "sd3",
+                   "cosmos_predict2": "cosmos", "hidream": "hidream"}
 
 
 def case(name: str) -> Optional[Case]:

@@ -149,6 +149,6 @@ def test_the_wan_cross_attention_chunks_are_larger_only_where_the_norm_runs_fuse
     scratch and the attention a score matrix: |x| / 4 measured 2.83 x |x| on CPU, over the 2.5 bound) and by
     |x| / 4 on CUDA with Triton (H200: the same 2.20 x |x| peak, half the launches)."""
     torch = env.torch
-    wan = importlib.import_module(env.pack.__name__ + ".nodes.wan")
+    wan = importlib.import_module(env.pack.__name__ + ".nodes.families.wan")
     assert wan.cross_chunk_fraction(torch.zeros(1, 4, 8)) == wan.CROSS_CHUNK_FRACTION == 8
     assert wan.CUDA_CROSS_CHUNK_FRACTION == 4

@@ -1,4 +1,4 @@
-"""The Cosmos predict2 adapter (`nodes/cosmos.py`) against a real ComfyUI: tiny random-weight `MiniTrainDIT`s built
+"""The Cosmos predict2 adapter (`nodes/families/cosmos.py`) against a real ComfyUI: tiny random-weight `MiniTrainDIT`s built
 from ComfyUI's own config class (`CosmosT2IPredict2`). The patched diffusion model's output equals ComfyUI's own at
 every head-split level, with and without block bounds, and the head split really runs (the split floor is lowered
 to 0 so that a few hundred tokens split): split-half RoPE on the self-attention, per-head norms, the text
@@ -33,7 +33,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def cosmos(env):
-    return importlib.import_module(env.pack.__name__ + ".nodes.cosmos")
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.cosmos")
 
 
 def cosmos_model(dtype=None, **extra):

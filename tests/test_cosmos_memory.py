@@ -46,7 +46,7 @@ def test_bounded_block_peak():
     comfy_env.require_comfyui()
     import torch
     pack = comfy_env.load_pack()
-    cosmos = importlib.import_module(pack.__name__ + ".nodes.cosmos")
+    cosmos = importlib.import_module(pack.__name__ + ".nodes.families.cosmos")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     core = importlib.import_module(pack.__name__ + ".qkv_core")
     try:

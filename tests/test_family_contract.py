@@ -4,8 +4,8 @@ at every level, with and without block bounds, and really splits; a short sampli
 q/k/v (or fused qkv) weight gives the LoRA's output; fp8 weights cast per call and GGUF weights equal stock; the
 unpatched model is stock again. Masks (HunyuanVideo's text
 padding, LTX-Video's cross-attention text mask), Qwen-Image's reference latents, grouped-query heads
-(Lumina 2) and HiDream's mixture-of-experts blocks are in the cases. Skipped without
-ComfyUI."""
+(Lumina 2), Kandinsky 5's text and visual blocks and HiDream's mixture-of-experts blocks are in the cases; every
+family of the registry (nodes/families/__init__.py) has one. Skipped without ComfyUI."""
 from __future__ import annotations
 
 import importlib
@@ -39,13 +39,26 @@ def _family_floor(request, env):
     the others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
     module = family_cases.ADAPTER_MODULES.get(family) if family is not None else None
-    scale = getattr(importlib.import_module(f"{env.pack.__name__}.nodes.{module}"), "SPLIT_FLOOR_SCALE", 1) \
+    scale = getattr(importlib.import_module(f"{env.pack.__name__}.nodes.families.{module}"), "SPLIT_FLOOR_SCALE", 1) \
         if module is not None else 1
     if scale == 1:
         yield
         return
     with comfy_env.split_floor(env, round(CASE_SPLIT_FLOOR / scale)):
         yield
+
+
+def test_the_cases_cover_every_registered_family(env):
+    """family_cases has a case for every family the registry lists (the patch loop's and the node's description's),
+    and no case of a family it does not list: the lists cannot disagree."""
+    families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
+    description = importlib.import_module(f"{env.pack.__name__}.nodes.patch_node").QKVPatch.define_schema().description
+    assert set(family_cases.ADAPTER_MODULES.values()) == set(families.MODULES)
+    assert set(family_cases.ADAPTER_MODULES) == set(family_cases.CASES)
+    assert families.ADAPTERS == env.node.ADAPTERS
+    for family in families.FAMILIES:
+        assert family.adapter is importlib.import_module(f"{env.pack.__name__}.nodes.families.{family.module}")
+        assert family.names and all(name in description for name in family.names), family
 
 
 def _forward(case, applied=None, weights=False):
@@ -207,7 +220,7 @@ def test_each_family_splits_from_its_own_floor(env, family):
     `SPLIT_FLOOR_SCALE` > 1 (Cosmos 3.5, LTX 3, Wan, SD3 and Lumina 2 2, Flux and Qwen-Image 1.5: their split
     blocks are bound by the host's launches there) keep the items whole, the others split them; the output is stock's either way."""
     case = family_cases.case(family)
-    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.{family_cases.ADAPTER_MODULES[family]}")
+    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
     scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1)
     assert scale == {"ltx_video": 3, "cosmos_predict2": 3.5, "flux": 1.5, "hunyuan_video": 1.5, "qwen_image": 1.5,
                      "wan": 2, "sd3": 2, "lumina2": 2}.get(family, 1)

@@ -1,4 +1,4 @@
-"""The Flux-layout adapter (`nodes/flux.py`) against a real ComfyUI: tiny random-weight models built from
+"""The Flux-layout adapter (`nodes/families/flux.py`) against a real ComfyUI: tiny random-weight models built from
 ComfyUI's own config classes (Flux 1, Flux 2, Chroma, HunyuanVideo): the patched diffusion model's output
 equals ComfyUI's own at every head-split level, with and without block bounds, and the head split really
 runs (the split floor is lowered to 0 so that a few hundred tokens split). Skipped without ComfyUI."""

@@ -23,7 +23,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def flux(env):
-    return importlib.import_module(env.pack.__name__ + ".nodes.flux")
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.flux")
 
 
 def _settings(variant):

@@ -1,4 +1,4 @@
-"""The HiDream-I1 adapter (`nodes/hidream.py`) against a real ComfyUI, on a tiny random-weight HiDream built from
+"""The HiDream-I1 adapter (`nodes/families/hidream.py`) against a real ComfyUI, on a tiny random-weight HiDream built from
 ComfyUI's own config class (the split floor lowered to 0 so that a few hundred tokens split): every attention and
 block is patched and the model equals stock at every level, in float32 and bf16; the pack's mixture of experts
 equals ComfyUI's module (float32 within 1e-6, bf16 but near a routing tie: none differ on the CPU) and one it does
@@ -31,7 +31,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def hidream(env):
-    return importlib.import_module(env.pack.__name__ + ".nodes.hidream")
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.hidream")
 
 
 def hidream_model(**config):
@@ -164,7 +164,7 @@ def test_bounded_block_peak():
     import comfy.ops
     pack = comfy_env.load_pack()
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    hidream = importlib.import_module(pack.__name__ + ".nodes.hidream")
+    hidream = importlib.import_module(pack.__name__ + ".nodes.families.hidream")
     compat = importlib.import_module(pack.__name__ + ".nodes.compat")
     from test_qwen_image_memory import measurement_module
     memory = measurement_module(pack)

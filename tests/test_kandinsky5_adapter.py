@@ -1,4 +1,4 @@
-"""The Kandinsky 5 adapter (`nodes/kandinsky5.py`) against a real ComfyUI: tiny random-weight models built from
+"""The Kandinsky 5 adapter (`nodes/families/kandinsky5.py`) against a real ComfyUI: tiny random-weight models built from
 ComfyUI's own config classes (Kandinsky 5 video and image): the patched diffusion model's output equals
 ComfyUI's own at every head-split level, with and without block bounds, and the head split really runs (the
 split floor is lowered to 0 so that a few hundred tokens split); a CPU MemTracker peak of one bounded visual
@@ -29,7 +29,7 @@ def env():
     env = comfy_env.pack_modules()
     if importlib.util.find_spec("comfy.ldm.kandinsky5") is None:
         pytest.skip("this ComfyUI has no Kandinsky 5")
-    env.kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.kandinsky5")
+    env.kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.families.kandinsky5")
     return env
 
 

@@ -113,7 +113,7 @@ FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_di
 
 
 def test_a_tiny_flux_samples_through_the_kernel_patch(env, kernel, monkeypatch):
-    """Flux has its own adapter (nodes/flux.py); without it, as a family no adapter covers, its attention
+    """Flux has its own adapter (nodes/families/flux.py); without it, as a family no adapter covers, its attention
     calls (heads-first, with RoPE applied by the model) still run on the pack's kernel, equal to stock."""
     import comfy.supported_models
     monkeypatch.setattr(env.node, "ADAPTERS", tuple(a for a in env.node.ADAPTERS if a.FAMILY != "Flux"))

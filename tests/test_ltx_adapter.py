@@ -1,4 +1,4 @@
-"""The LTX adapter (`nodes/ltx.py`) against a real ComfyUI: tiny random-weight LTX-Video and LTX-2 (audio-video)
+"""The LTX adapter (`nodes/families/ltx.py`) against a real ComfyUI: tiny random-weight LTX-Video and LTX-2 (audio-video)
 models built from ComfyUI's own config classes. The patched diffusion model's output equals ComfyUI's own at
 every head-split level, with and without block bounds, and the head split really runs (the split floor is
 lowered to 0 so that a few hundred tokens split): both RoPE layouts (interleaved pairs, the halves of each
@@ -36,7 +36,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def ltx(env):
-    return importlib.import_module(env.pack.__name__ + ".nodes.ltx")
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.ltx")
 
 
 def ltx_model(config: dict = LTXV, config_class: str = "LTXV", **extra):
@@ -345,7 +345,8 @@ def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
     assert dispatch.split_floor(config) == 8192 and dispatch.split_floor(ltx_config) == 24576
     assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
     assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})
-    assert dispatch.family_config(config, importlib.import_module(env.pack.__name__ + ".nodes.kandinsky5")) is config
+    kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.families.kandinsky5")
+    assert dispatch.family_config(config, kandinsky5) is config
     model = ltx_model().model.diffusion_model
     short = planner.plan(ltx, model, (2, 16, 16, 22, 38), config)      # 13,376 tokens an item
     long = planner.plan(ltx, model, (2, 16, 33, 22, 38), config)       # 27,588

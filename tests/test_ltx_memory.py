@@ -60,7 +60,7 @@ def test_bounded_block_peak(rope_type):
     comfy_env.require_comfyui()
     import torch
     pack = comfy_env.load_pack()
-    ltx = importlib.import_module(pack.__name__ + ".nodes.ltx")
+    ltx = importlib.import_module(pack.__name__ + ".nodes.families.ltx")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     core = importlib.import_module(pack.__name__ + ".qkv_core")
     try:

@@ -1,4 +1,4 @@
-"""The Lumina2 / Z-Image adapter (`nodes/lumina.py`) against a real ComfyUI: tiny random-weight models built
+"""The Lumina2 / Z-Image adapter (`nodes/families/lumina.py`) against a real ComfyUI: tiny random-weight models built
 from ComfyUI's own config classes (Lumina 2 with grouped-query attention, Z-Image with its modulation and
 token padding): the patched diffusion model's output equals ComfyUI's own at every head-split level, with and
 without block bounds, and the head split really runs (the split floor is lowered to 0 so that a few hundred
@@ -34,7 +34,7 @@ ZIMAGE = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2
 @pytest.fixture(scope="module")
 def env():
     env = comfy_env.pack_modules()
-    env.lumina = importlib.import_module(env.pack.__name__ + ".nodes.lumina")
+    env.lumina = importlib.import_module(env.pack.__name__ + ".nodes.families.lumina")
     return env
 
 

@@ -56,7 +56,7 @@ def test_bounded_block_peak(layout):
     import torch
     import comfy.ldm.lumina.model as lumina_model
     pack = comfy_env.load_pack()
-    lumina = importlib.import_module(pack.__name__ + ".nodes.lumina")
+    lumina = importlib.import_module(pack.__name__ + ".nodes.families.lumina")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     try:
         memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")

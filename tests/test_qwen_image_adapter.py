@@ -1,4 +1,4 @@
-"""The Qwen-Image adapter (`nodes/qwen_image.py`) against a real ComfyUI: a tiny random-weight Qwen-Image built
+"""The Qwen-Image adapter (`nodes/families/qwen_image.py`) against a real ComfyUI: a tiny random-weight Qwen-Image built
 from ComfyUI's own config class: the patched diffusion model's output equals ComfyUI's own at every head-split
 level, with and without block bounds, and the head split really runs (the split floor is lowered to 0 so that
 a few hundred tokens split); Qwen-Image-Edit's reference latents (both ways of indexing them, with the zero
@@ -30,7 +30,7 @@ def env():
 
 @pytest.fixture(scope="module")
 def qwen(env):
-    return importlib.import_module(env.pack.__name__ + ".nodes.qwen_image")
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.qwen_image")
 
 
 def qwen_model(config: dict = QWEN, config_class: str = "QwenImage"):

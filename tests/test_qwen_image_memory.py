@@ -67,7 +67,7 @@ def test_bounded_block_peak():
     comfy_env.require_comfyui()
     import torch
     pack = comfy_env.load_pack()
-    qwen = importlib.import_module(pack.__name__ + ".nodes.qwen_image")
+    qwen = importlib.import_module(pack.__name__ + ".nodes.families.qwen_image")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     memory = measurement_module(pack)
     block, inp = build_block(torch), block_inputs(torch)

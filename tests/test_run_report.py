@@ -90,7 +90,7 @@ def _measured_block_peaks(pack, levels):
     """MemTracker's peaks of test_wan_memory's bf16 block (12,288 tokens x 512, 16 heads), as multiples of |x|:
     stock, then the bounded block at each of `levels`."""
     import torch
-    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    wan = importlib.import_module(pack.__name__ + ".nodes.families.wan")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
     block, inp = wan_memory.build_block(torch), wan_memory.block_inputs(torch)
@@ -122,7 +122,7 @@ def test_planner_matches_memtracker_at_every_level():
     pack = comfy_env.load_pack()
     planner = importlib.import_module(pack.__name__ + ".nodes.planner")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    wan = importlib.import_module(pack.__name__ + ".nodes.families.wan")
     model, latent_shape = _wan_like_memory_test(torch)
     plan = planner.plan(wan, model.model.diffusion_model, latent_shape, node.QKVConfig(3, "sdpa", True),
                         dtype=torch.bfloat16)

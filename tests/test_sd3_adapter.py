@@ -1,4 +1,4 @@
-"""The SD3-layout adapter (`nodes/sd3.py`) against a real ComfyUI: tiny random-weight MMDiTs built from ComfyUI's
+"""The SD3-layout adapter (`nodes/families/sd3.py`) against a real ComfyUI: tiny random-weight MMDiTs built from ComfyUI's
 own SD3 config class (SD3 Medium's layout, SD3.5 Large's per-head RMSNorm, SD3.5 Medium's `x_block_self_attn`
 blocks, and the other layouts the block takes: LayerNorm q/k, RMSNorm blocks, SwiGLU, scale-only modulation):
 the patched diffusion model's output equals ComfyUI's own at every head-split level, with and without block

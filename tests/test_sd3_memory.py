@@ -54,7 +54,7 @@ def test_bounded_block_peak(layout):
     comfy_env.require_comfyui()
     import torch
     pack = comfy_env.load_pack()
-    sd3 = importlib.import_module(pack.__name__ + ".nodes.sd3")
+    sd3 = importlib.import_module(pack.__name__ + ".nodes.families.sd3")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     memory = measurement_module(pack)
     block, inp = build_block(torch, LAYOUTS[layout]), block_inputs(torch)

@@ -33,7 +33,7 @@ def env():
     if not hasattr(comfy.ops, "mixed_precision_ops") or not hasattr(comfy.ops, "CastBiasWeightContext"):
         pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops with row slices")
     return {name: sys.modules[f"{bench.PACK_PACKAGE}.{name}"]
-            for name in ("benchmarks.wan_block", "nodes.wan", "nodes.compat", "nodes.dispatch", "qkv_core")}
+            for name in ("benchmarks.wan_block", "nodes.families.wan", "nodes.compat", "nodes.dispatch", "qkv_core")}
 
 
 def _block(env, layout: str):
@@ -73,7 +73,7 @@ def _inputs(env, negative: str):
 @pytest.mark.parametrize("negative", ["zeros", "random"])
 @pytest.mark.parametrize("layout", ["comfy_quant", "scaled_fp8"])
 def test_fp8_scaled_block_keeps_its_check_with_a_zeroed_negative(env, layout, negative, caplog):
-    wan, compat = env["nodes.wan"], env["nodes.compat"]
+    wan, compat = env["nodes.families.wan"], env["nodes.compat"]
     block = _block(env, layout)
     assert type(block.ffn[0].weight).__name__ == "QuantizedTensor"
     inputs = _inputs(env, negative)

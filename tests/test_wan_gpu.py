@@ -32,8 +32,9 @@ def env():
     import comfy.ldm.wan.model as wan_model
     import comfy.ops
     modules = {name: sys.modules[f"{bench.PACK_PACKAGE}.{name}"]
-               for name in ("benchmarks.wan_block", "nodes.wan", "nodes.dispatch", "benchmarks.memory")}
-    wan_block, wan, memory = modules["benchmarks.wan_block"], modules["nodes.wan"], modules["benchmarks.memory"]
+               for name in ("benchmarks.wan_block", "nodes.families.wan", "nodes.dispatch", "benchmarks.memory")}
+    wan_block, wan = modules["benchmarks.wan_block"], modules["nodes.families.wan"]
+    memory = modules["benchmarks.memory"]
     config = modules["nodes.dispatch"].QKVConfig
 
     def build(dtype, heads=HEADS):

@@ -78,7 +78,7 @@ def test_bounded_block_peak(fmt):
     import contextlib
     import torch
     pack = comfy_env.load_pack()
-    wan = importlib.import_module(pack.__name__ + ".nodes.wan")
+    wan = importlib.import_module(pack.__name__ + ".nodes.families.wan")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
     block, inp = format_block(torch, fmt), block_inputs(torch)

@@ -30,11 +30,11 @@ try:
 except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matches
     kandinsky_model = None
 
-from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
-from .block_parts import foreign_part, mlp_residual_
-from .comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from .. import compat
+from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
+from ..block_parts import foreign_part, mlp_residual_
+from ..comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Kandinsky5"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,

@@ -26,13 +26,13 @@ import torch
 
 import comfy.ldm.qwen_image.model as qwen_model
 
-from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
-from .block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
+from .. import compat
+from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
+from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
                           run_modulated_layer_norm)
-from .comfy_ops import chunk_tokens, module_attr, quantizes_inputs, token_ranges
-from .dispatch import attention_splits
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, module_attr, quantizes_inputs, token_ranges
+from ..dispatch import attention_splits
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)

@@ -26,11 +26,11 @@ import torch
 
 import comfy.ldm.cosmos.predict2 as predict2
 
-from . import compat
-from .attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
-from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from .. import compat
+from ..attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
+from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
+from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Cosmos"
 MEMORY_FACTORS = MemoryFactors(split=0.65, unsplit=0.7,

@@ -22,12 +22,12 @@ import torch
 
 import comfy.ldm.flux.layers as flux_layers
 
-from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
-from .block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
-from .comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
-from .dispatch import attention_splits
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from .. import compat
+from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
+from ..block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
+from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
+from ..dispatch import attention_splits
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Flux"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,

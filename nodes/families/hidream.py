@@ -37,15 +37,15 @@ import torch
 
 import comfy.ldm.hidream.model as hidream_model
 
-from . import compat
-from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend, attribute,
+from .. import compat
+from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend, attribute,
                         is_rms_norm)
-from .block_parts import (SWIGLU, ChunkedMLP, chunk_scale, foreign_part, mlp_residual_, output_projection_,
+from ..block_parts import (SWIGLU, ChunkedMLP, chunk_scale, foreign_part, mlp_residual_, output_projection_,
                           projection_residual_)
-from .comfy_ops import (chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps, quantizes_inputs,
+from ..comfy_ops import (chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps, quantizes_inputs,
                         stored_weights, token_ranges)
-from .dispatch import attention_splits
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..dispatch import attention_splits
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "HiDream"
 # Not measured on a whole model: ComfyUI's own activation estimate is kept.

@@ -35,12 +35,12 @@ try:   # ComfyUI's fused kernels (comfy_kitchen), v0.8+
 except ImportError:   # an older ComfyUI
     quant_ops = None
 
-from . import compat
-from .attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_PAIRS,
+from .. import compat
+from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_PAIRS,
                         ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
-from .block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
+from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "LTX"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept.

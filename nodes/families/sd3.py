@@ -27,11 +27,11 @@ import torch
 
 import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 
-from . import compat
-from .attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
-from .block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
-from .comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from .. import compat
+from ..attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
+from ..block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
+from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "SD3"
 # Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,

@@ -19,15 +19,15 @@ import torch
 import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
-from ..qkv_core import WholeProjection, cross_qkv_attention, kernels
-from . import compat
-from .attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
+from ...qkv_core import WholeProjection, cross_qkv_attention, kernels
+from .. import compat
+from ..attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
                         is_rms_norm)
-from .block_parts import modulated_layer_norm, output_projection_
-from .comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
+from ..block_parts import modulated_layer_norm, output_projection_
+from ..comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
-from .dispatch import attend_group, attention_kwargs, split_floor
-from .family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..dispatch import attend_group, attention_kwargs, split_floor
+from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
 
 FAMILY = "Wan"
 # Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
