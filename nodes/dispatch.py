@@ -153,7 +153,8 @@ def split_floor(config) -> int:
 
 
 def family_config(config, adapter):
-    """`config` with the family's split floor: `adapter.SPLIT_FLOOR_SCALE` times the runtime's (1 when the
-    adapter sets none), for families whose forwards are bound by the host's launches on shorter sequences."""
-    scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1) if adapter is not None else 1
+    """`config` with the family's split floor: `adapter.SPLIT_FLOOR_SCALE` times the runtime's (its row of
+    nodes/families/measured.py; 1 without an adapter), for families whose forwards are bound by the host's
+    launches on shorter sequences."""
+    scale = adapter.SPLIT_FLOOR_SCALE if adapter is not None else 1
     return config if config.floor_scale == scale else config._replace(floor_scale=scale)

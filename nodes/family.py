@@ -53,11 +53,12 @@ class WorkingSet:
 @runtime_checkable
 class FamilyAdapter(Protocol):
     FAMILY: str                      # the name the log and the report use ("Wan")
+    # The measured constants, the family's row of nodes/families/measured.py (where each was measured is there):
     MEMORY_FACTORS: MemoryFactors
     WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
-    # optional: SPLIT_FLOOR_SCALE (a number), the family's split floor as a multiple of the runtime's
-    # (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences;
-    # SHORT_RUNS_STOCK (bool), calls under the floor run ComfyUI's own forwards (the planner counts stock's peak)
+    SPLIT_FLOOR_SCALE: float         # the family's split floor as a multiple of the runtime's (>= 1,
+    # `dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
+    SHORT_RUNS_STOCK: bool           # calls under that floor run ComfyUI's own forwards (the planner counts stock's)
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""
@@ -84,9 +85,11 @@ class FamilyAdapter(Protocol):
 
 
 def check_adapter(adapter) -> None:
-    """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for factors out of order."""
+    """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for a measured constant out of
+    order (factors, working sets, the split floor's scale, the short-runs flag)."""
     missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "WORKING_SETS", "matches", "patch", "stock_functions",
-                                 "tokens_per_item", "kv_heads", "splits_projections", "block_kinds")
+                                 "tokens_per_item", "kv_heads", "splits_projections", "block_kinds",
+                                 "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK")
                if not hasattr(adapter, name)]
     if missing:
         raise TypeError(f"{getattr(adapter, '__name__', adapter)!s} is not a family adapter: it lacks "
@@ -97,6 +100,12 @@ def check_adapter(adapter) -> None:
     for kind, working_set in adapter.WORKING_SETS.items():
         if not 0 < working_set.bounded(1) <= working_set.stock * 1.5:
             raise ValueError(f"{adapter.FAMILY}: the {kind} block's working set is out of order: {working_set}")
+    scale = adapter.SPLIT_FLOOR_SCALE
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1:
+        raise ValueError(f"{adapter.FAMILY}: SPLIT_FLOOR_SCALE must be a number >= 1 (a multiple of the runtime's "
+                         f"split floor), got {scale!r}")
+    if not isinstance(adapter.SHORT_RUNS_STOCK, bool):
+        raise ValueError(f"{adapter.FAMILY}: SHORT_RUNS_STOCK must be True or False, got {adapter.SHORT_RUNS_STOCK!r}")
 
 
 def unsliceable_projection(module, names: Sequence[str], where: str = "") -> Optional[str]:

@@ -104,7 +104,7 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     kv_heads = adapter.kv_heads(diffusion_model) or 2
     unsliceable = adapter.splits_projections(diffusion_model)
     # families that leave calls under the split floor to ComfyUI's own forwards hold stock's peak there
-    stock_runs = bool(getattr(adapter, "SHORT_RUNS_STOCK", False)) and tokens < split_floor(config)
+    stock_runs = adapter.SHORT_RUNS_STOCK and tokens < split_floor(config)
     plans = []
     for index, name in enumerate(LEVELS):
         split = split_plan(kv_heads, tokens, index, split_floor(config), unsliceable=unsliceable)

@@ -39,7 +39,7 @@ def _family_floor(request, env):
     the others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
     module = family_cases.ADAPTER_MODULES.get(family) if family is not None else None
-    scale = getattr(importlib.import_module(f"{env.pack.__name__}.nodes.families.{module}"), "SPLIT_FLOOR_SCALE", 1) \
+    scale = importlib.import_module(f"{env.pack.__name__}.nodes.families.{module}").SPLIT_FLOOR_SCALE \
         if module is not None else 1
     if scale == 1:
         yield
@@ -59,6 +59,23 @@ def test_the_cases_cover_every_registered_family(env):
     for family in families.FAMILIES:
         assert family.adapter is importlib.import_module(f"{env.pack.__name__}.nodes.families.{family.module}")
         assert family.names and all(name in description for name in family.names), family
+
+
+def test_measured_constants_come_from_one_table(env):
+    """Every family's MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE and SHORT_RUNS_STOCK are its row of
+    nodes/families/measured.py, and every row cites sections of docs/benchmarks.md that exist."""
+    import re
+    families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
+    measured = importlib.import_module(f"{env.pack.__name__}.nodes.families.measured")
+    anchors = set(re.findall(r'<a id="([^"]+)"></a>', (comfy_env.REPO_ROOT / "docs" / "benchmarks.md").read_text()))
+    assert set(measured.TABLE) == set(families.MODULES)
+    for family in families.FAMILIES:
+        row, adapter = measured.TABLE[family.module], family.adapter
+        assert (adapter.MEMORY_FACTORS, adapter.WORKING_SETS, adapter.SPLIT_FLOOR_SCALE,
+                adapter.SHORT_RUNS_STOCK) == row.constants(), family.module
+        for where in row.anchors():
+            path, _, anchor = where.partition("#")
+            assert path == "docs/benchmarks.md" and anchor in anchors, (family.module, where)
 
 
 def _forward(case, applied=None, weights=False):
@@ -221,7 +238,7 @@ def test_each_family_splits_from_its_own_floor(env, family):
     blocks are bound by the host's launches there) keep the items whole, the others split them; the output is stock's either way."""
     case = family_cases.case(family)
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
-    scale = getattr(adapter, "SPLIT_FLOOR_SCALE", 1)
+    scale = adapter.SPLIT_FLOOR_SCALE
     assert scale == {"ltx_video": 3, "cosmos_predict2": 3.5, "flux": 1.5, "hunyuan_video": 1.5, "qwen_image": 1.5,
                      "wan": 2, "sd3": 2, "lumina2": 2}.get(family, 1)
     with comfy_env.SdpaHeads(env.torch) as stock_spy:

@@ -281,7 +281,7 @@ def models():
 def _floor(env, family, floor):
     """The runtime floor that puts `family`'s own floor (x its SPLIT_FLOOR_SCALE) at `floor`."""
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{FAMILIES[family].adapter}")
-    return comfy_env.split_floor(env, round(floor / getattr(adapter, "SPLIT_FLOOR_SCALE", 1)))
+    return comfy_env.split_floor(env, round(floor / adapter.SPLIT_FLOOR_SCALE))
 
 
 class SelfAttentionCalls:

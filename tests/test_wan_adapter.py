@@ -319,7 +319,7 @@ def test_every_adapter_meets_the_family_contract(env):
     with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, WORKING_SETS, patch, "):
         family.check_adapter(broken)
     names = ("FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections",
-             "block_kinds", "WORKING_SETS")
+             "block_kinds", "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "WORKING_SETS")
     inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in names},
                                MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
     with pytest.raises(ValueError, match=r"0 < split <= unsplit <= 1"):
@@ -333,3 +333,13 @@ def test_every_adapter_meets_the_family_contract(env):
                           WORKING_SETS={"block": family.WorkingSet(stock=1.0, bounded_whole=3.0, measured="test")})
     with pytest.raises(ValueError, match=r"working set is out of order"):
         family.check_adapter(odd)
+    # the split floor's scale and the short-runs flag are checked fields of every adapter (measured.py's row)
+    for adapter in env.node.ADAPTERS:
+        assert adapter.SPLIT_FLOOR_SCALE >= 1 and isinstance(adapter.SHORT_RUNS_STOCK, bool), adapter.FAMILY
+    contract = {name: getattr(env.wan, name) for name in names + ("MEMORY_FACTORS",)}
+    for bad in (0.5, True, "2"):
+        with pytest.raises(ValueError, match=r"SPLIT_FLOOR_SCALE must be a number >= 1"):
+            family.check_adapter(SimpleNamespace(**{**contract, "SPLIT_FLOOR_SCALE": bad}))
+    with pytest.raises(ValueError, match=r"SHORT_RUNS_STOCK must be True or False"):
+        family.check_adapter(SimpleNamespace(**{**contract, "SHORT_RUNS_STOCK": 1}))
+    family.check_adapter(SimpleNamespace(**contract))

@@ -30,16 +30,11 @@ from .. import compat
 from ..attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Cosmos"
-MEMORY_FACTORS = MemoryFactors(split=0.65, unsplit=0.7,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Cosmos predict2 2B 1280x704 x 93 0.55 split, x 9 and x 21 (10,560 and 21,120 tokens) 0.64 unsplit")
-# Split only from 3.5x the runtime's floor (28,672 tokens an item): a split Cosmos predict2 2B costs the host
-# about 1 s a model call whatever the length (whole model on an H200, cond + uncond: 10,560 tokens an item 318 ms
-# stock, 1,002 split; 21,120: 917 / 1,279; 31,680: 1,808 / 1,592; 42,240: 3,005 / 2,297).
-SPLIT_FLOOR_SCALE = 3.5
-WORKING_SETS = {"block": WorkingSet(stock=12.3, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_cosmos_memory.py (stock 11.08 on v0.33, 14.00 on v0.8.0)")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("cosmos")
 
 STREAM = StreamProjections(q="q_proj", k="k_proj", v="v_proj", norm_q="q_norm", norm_k="k_norm")
 ROTATED = AttentionForm(streams=(STREAM,), norm=NORM_PER_HEAD, rope=ROPE_SPLIT_HALF)   # self-attention

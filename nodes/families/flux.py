@@ -27,20 +27,11 @@ from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjecti
 from ..block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
 from ..dispatch import attention_splits
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Flux"
-# Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
-# so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.85,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Flux-dev 2048^2 0.74 and HunyuanVideo 720p x 129 0.56 split, Flux-dev 1024^2 0.78 unsplit")
-# Split only from 1.5x the runtime's floor (12,288 tokens an item): under it the split blocks are bound by the
-# host's launches on an H200 (double / single block, 8,704 tokens: 1.21 / 1.39x stock's time split, 0.80 / 0.84x
-# whole; 12,800: 1.11 / 0.94x split; 14,848: 0.88 / 0.82x), for a saving of under 0.2 GiB a call there. Whole,
-# the pack's blocks still hold about 4.2-4.6 x |x| against stock's 10-13.
-SPLIT_FLOOR_SCALE = 1.5
-WORKING_SETS = {"double": WorkingSet(stock=10.06, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py"),
-                "single": WorkingSet(stock=14.06, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_flux_blocks.py")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("flux")
 
 DOUBLE = AttentionForm(streams=(
     StreamProjections(fused="txt_attn.qkv", norm_q="txt_attn.norm.query_norm", norm_k="txt_attn.norm.key_norm"),

@@ -45,13 +45,11 @@ from ..block_parts import (SWIGLU, ChunkedMLP, chunk_scale, foreign_part, mlp_re
 from ..comfy_ops import (chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps, quantizes_inputs,
                         stored_weights, token_ranges)
 from ..dispatch import attention_splits
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "HiDream"
-# Not measured on a whole model: ComfyUI's own activation estimate is kept.
-MEMORY_FACTORS = MemoryFactors(split=1.0, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; HiDream-I1 1024^2 0.97 unsplit (split not measured)")
-WORKING_SETS = {"block": WorkingSet(stock=15.35, bounded_whole=2.30, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads, 4 experts; tests/test_hidream_adapter.py (double block: 2.45 x |x| at 16 groups, the split attention's peak; its bounded mixture of experts 2.25 x |x| with the output)")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("hidream")
 
 IMAGE = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_rms_norm", norm_k="k_rms_norm")
 TEXT = StreamProjections(q="to_q_t", k="to_k_t", v="to_v_t", norm_q="q_rms_norm_t", norm_k="k_rms_norm_t")

@@ -34,14 +34,11 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import foreign_part, mlp_residual_
 from ..comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Kandinsky5"
-# Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
-# so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=0.9, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Kandinsky 5 lite 768x512 x 61 0.88 split (unsplit not measured)")
-WORKING_SETS = {"block": WorkingSet(stock=9.10, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_kandinsky5_adapter.py")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("kandinsky5")
 
 SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="to_query", k="to_key", v="to_value",
                                                           norm_q="query_norm", norm_k="key_norm"),),

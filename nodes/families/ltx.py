@@ -40,21 +40,11 @@ from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS
                         ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "LTX"
-# Not measured on a whole model yet: ComfyUI's own activation estimate is kept.
-MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; LTX-Video 2B 1216x704 x 121 0.72 split; unsplit: ComfyUI's own blocks run (short sequences)")
-# Split only from 3x the runtime's floor (24,576 tokens an item): LTX's split attention (an RMSNorm over all
-# heads, so a statistics pass; the RoPE table sliced per group) launches enough small kernels that the host
-# bounds it on shorter sequences. Whole LTX-Video 2B on an H200, cond + uncond: 13,376 tokens an item 449 ms
-# stock, 1,272 ms split (its launches, ~1.3 s, are the same at any length); 27,588 tokens 1,490 ms stock,
-# 1,500 ms split. Under the floor ComfyUI's own forwards run (`short_runs_stock`).
-SPLIT_FLOOR_SCALE = 3
-# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
-SHORT_RUNS_STOCK = True
-WORKING_SETS = {"block": WorkingSet(stock=10.5, bounded_whole=2.24, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_ltx_memory.py (stock 11.0 on v0.33, 10.0 on v0.8.0)")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("ltx")
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
 FORMS = {kind: AttentionForm(streams=(STREAM,), norm=NORM_SPANS_HEADS, rope=kind)

@@ -36,21 +36,11 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import GatedMLP, foreign_part, mlp_residual_
 from ..comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Lumina2"
-# Not measured on a whole model: ComfyUI's own activation estimate is kept (the patched forwards need less,
-# so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=0.7, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: ComfyUI's own blocks run")
-# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
-SHORT_RUNS_STOCK = True
-# Split only from 2x the runtime's floor (16,384 tokens an item): a split Lumina 2 is bound by the host's
-# launches below it (whole model on an H200, cond + uncond: 1536^2 (9,472 tokens) 311 ms stock, 596 split;
-# 2048^2 (16,640) 0.98x stock's time).
-SPLIT_FLOOR_SCALE = 2
-WORKING_SETS = {"lumina2": WorkingSet(stock=18.0, bounded_whole=1.95, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py"),
-                "zimage": WorkingSet(stock=14.0, bounded_whole=2.04, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_lumina_memory.py")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("lumina")
 
 NORMED = AttentionForm(streams=(StreamProjections(fused="qkv", norm_q="q_norm", norm_k="k_norm"),),
                        norm=NORM_PER_HEAD, rope=ROPE_PAIRS)

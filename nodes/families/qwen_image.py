@@ -32,18 +32,14 @@ from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_l
                           run_modulated_layer_norm)
 from ..comfy_ops import chunk_tokens, module_attr, quantizes_inputs, token_ranges
 from ..dispatch import attention_splits
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
-# Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched modules need
-# less, so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=0.8, unsplit=0.8,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; Qwen-Image 1328^2 0.76 unsplit; the split runs take the unsplit factor (no split run measured)")
-# Split only from 1.5x the runtime's floor (12,288 tokens an item), as Flux: a Qwen-Image-Edit call of a 1 MP
-# image and a 1 MP reference (8,537 tokens) took 1.24x stock's time split on an H200 (one item; 1.00x with cond +
-# uncond), 0.85x whole; from 12,100 image tokens on the split is 0.84-0.99x.
-SPLIT_FLOOR_SCALE = 1.5
+
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("qwen_image")
+
 # Split, the block's output projections and MLPs take token chunks twice block_parts' default (a quarter of the
 # tokens): they then hold the outputs, the attention and a chunk's product (2.07 + 0.25 x|x|), or the outputs and
 # a chunk's input, hidden activation and product (1.04 + 5 x 0.25), at or under the split attention's own peak at
@@ -52,7 +48,6 @@ SPLIT_FLOOR_SCALE = 1.5
 # 1328^2 the split block is bound by the host's launches. (16 groups, a model of 16 heads: 2.29 x|x| where the
 # attention alone holds 2.26.)
 SPLIT_CHUNK_SCALE = 2
-WORKING_SETS = {"block": WorkingSet(stock=10.15, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_qwen_image_memory.py")}
 
 FORM = AttentionForm(streams=(
     StreamProjections(q="add_q_proj", k="add_k_proj", v="add_v_proj", norm_q="norm_added_q", norm_k="norm_added_k"),

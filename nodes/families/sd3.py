@@ -31,21 +31,11 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
 from ..block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "SD3"
-# Not measured on a whole model yet: ComfyUI's own activation estimate is kept (the patched blocks need less,
-# so a run never plans for less than it uses).
-MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=1.0,
-                               measured="whole model, one call of cond + uncond on an H200 (ComfyUI v0.33.0, benchmarks/family_models.py): factor >= 1 - (A - P) / E; SD3.5 Large 2048^2 0.39 split (Medium not measured); unsplit: ComfyUI's own blocks run")
-# calls under the split floor run ComfyUI's own forwards (compat.guard_module's `short_runs_stock`)
-SHORT_RUNS_STOCK = True
-# Split only from 2x the runtime's floor (16,384 tokens an item): a split SD3.5 Large costs the host about 1.1 s
-# a model call (whole model on an H200, cond + uncond: 1536^2 (9,370 tokens) 495 ms stock, 1,101 split; 1792^2
-# (12,698) 758 / 1,080; 2048^2 (16,538) 0.96x stock's time).
-SPLIT_FLOOR_SCALE = 2
-WORKING_SETS = {"joint": WorkingSet(stock=19.21, bounded_whole=2.11, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Large)"),
-                "joint_self_attention": WorkingSet(stock=27.21, bounded_whole=3.06, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_sd3_memory.py (SD3.5 Medium: x's second attention)")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("sd3")
 
 # One stream of a `SelfAttention`: fused [q, k, v] and its per-head norms (names inside the SelfAttention).
 STREAM = StreamProjections(fused="qkv", norm_q="ln_q", norm_k="ln_k")

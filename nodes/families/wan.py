@@ -27,22 +27,11 @@ from ..block_parts import modulated_layer_norm, output_projection_
 from ..comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
                         not_row_sliceable, quantizes_inputs, token_ranges)
 from ..dispatch import attend_group, attention_kwargs, split_floor
-from ..family import MemoryFactors, WorkingSet, patch_module, unsliceable_projection
+from ..family import patch_module, unsliceable_projection
+from . import measured
 
 FAMILY = "Wan"
-# Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
-# v0.33.0 in every weight format, where each patched run stayed under its card: docs/benchmarks.md). ComfyUI
-# fills the card with weights up to its estimate, so a patched run peaks no higher than stock only if
-# factor >= 1 - (1 - r) * A / E, r the pack's share of stock's real activation memory, A / E stock's real use
-# over ComfyUI's estimate: A / E = 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the
-# rest is the model around the blocks and ComfyUI's weight streaming), r = 0.84 without it.
-MEMORY_FACTORS = MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0")
-# Split only from 2x the runtime's floor (16,384 tokens an item): a split Wan 14B block costs the host about
-# 33-36 ms whatever the length (20 groups at High, each with its share of the statistics pass), which its GPU
-# work passes near 17,000 tokens on an H200 (10,920 tokens: 33 ms split against stock's 17; 14,040 (480p x 33
-# frames): 35 against 25, 23 whole; 17,160: 36 against 35; 32,760: 77 against 100).
-SPLIT_FLOOR_SCALE = 2
-WORKING_SETS = {"block": WorkingSet(stock=9.0, bounded_whole=1.99, measured="CPU MemTracker, bf16, 12,288 tokens x width 512, 16 heads; tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")}
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("wan")
 
 
 def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
