@@ -238,4 +238,5 @@ def foreign_part(block) -> Optional[str]:
 
 
 __all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "modulated_layer_norm_args", "run_modulated_layer_norm",
-           "projection_residual_", "output_projection_", "foreign_part", "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE", "chunk_scale", "SWIGLU", "silu_gate_"]
+           "projection_residual_", "output_projection_", "foreign_part", "FFN_CHUNK_FRACTION", "UNSPLIT_CHUNK_SCALE",
+           "chunk_scale", "SWIGLU", "silu_gate_"]

@@ -23,8 +23,7 @@ to a sampling step of a long sequence, nothing.
 """
 from __future__ import annotations
 
-import threading
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -33,6 +32,8 @@ import comfy.ops
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import not_counted
 from .dispatch import split_floor
+from .module_tree import (ModuleTree, _local, foreign_forward, is_ours, layers_signature, mark_ours, module_tree,
+                          stock_forward)
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 CHECK_TOKENS = 256
@@ -54,35 +55,8 @@ CHECK_RTOL_16BIT = 2e-2
 # tokens sit near a tie between two experts
 ROUTED_SHARE = 0.02
 
-_OURS = "_qkv_patch"
-_local = threading.local()
 _verdicts: dict = {}           # signature -> None (passed) or the reason it failed
 _function_verdicts: dict = {}  # a stock forward function -> True while every check of it passed
-
-
-def mark_ours(fn: Callable) -> Callable:
-    """Tag a forward as this pack's (so a re-applied node finds and replaces it, and it is never taken for
-    another node's patch)."""
-    setattr(fn, _OURS, True)
-    return fn
-
-
-def is_ours(obj) -> bool:
-    return bool(getattr(obj, _OURS, False))
-
-
-def stock_forward(module) -> Callable:
-    """ComfyUI's own forward of `module`: its class's, bound (whatever instance patch is installed)."""
-    return type(module).forward.__get__(module)
-
-
-def foreign_forward(module) -> bool:
-    """Does `module` carry a forward installed by another node (an object patch that is not ours and not
-    ComfyUI's restored bound method)?"""
-    patched = getattr(module, "__dict__", {}).get("forward")
-    if patched is None or is_ours(patched):
-        return False
-    return getattr(patched, "__func__", None) is not type(module).forward
 
 
 def forget_verdicts() -> None:
@@ -365,85 +339,6 @@ def unknown_args(names, args, kwargs) -> str:
     return f"called with arguments the pack's forward does not take ({', '.join(extra)})"
 
 
-class ModuleTree(NamedTuple):
-    """What the guard reads of a module's tree at every call, from one walk (`module_tree`): `layers`, the
-    layer classes and weight dtypes (`layers_signature`), and `foreign`, why a part below the module carries
-    another node's forward or module hook (`block_parts.foreign_part`), or None."""
-
-    layers: tuple
-    foreign: Optional[str]
-
-
-def module_tree(module) -> ModuleTree:
-    """`ModuleTree` of `module`: each module once, in `named_modules()`' order, through the modules' own dicts
-    (`named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of host time). Within
-    one guarded call's checks it is walked once (`layers_signature` and `foreign_part` both ask)."""
-    walked = getattr(_local, "trees", None)
-    if walked is not None:
-        tree = walked.get(id(module))
-        if tree is not None:
-            return tree
-    layers, foreign, seen, stack = [], None, set(), [("", module, None)]
-    while stack:
-        name, child, part = stack.pop()
-        key = id(child)
-        if key in seen:
-            continue
-        seen.add(key)
-        own = child.__dict__
-        if part is not None and foreign is None:
-            if own.get("forward") is not None and foreign_forward(child):
-                foreign = f"another node patched its {part}"
-            elif own.get("_forward_hooks") or own.get("_forward_pre_hooks"):
-                foreign = f"another node hooks its {part}"
-        weight = _weight_of(child, own)
-        if weight is not _NO_WEIGHT:
-            layers.append((name, type(child).__qualname__, _dtype_name(getattr(weight, "dtype", None))))
-        below = own.get("_modules")
-        if below:
-            prefix = name + "." if name else ""
-            for sub_name, sub in reversed(below.items()):
-                if sub is not None:
-                    stack.append((prefix + sub_name, sub, sub_name if part is None else part))
-    tree = ModuleTree(tuple(layers), foreign)
-    if walked is not None:
-        walked[id(module)] = tree
-    return tree
-
-
-_NO_WEIGHT = object()
-_DTYPE_NAMES: dict = {}
-
-
-def _weight_of(module, own: dict):
-    """`getattr(module, "weight", None)` where the module has a weight (its class, its own attributes, parameters,
-    buffers or submodules name one), else `_NO_WEIGHT`: read from the module's own dicts in `getattr`'s order,
-    `getattr` itself only where its class has a `weight`."""
-    if hasattr(type(module), "weight"):
-        return getattr(module, "weight", None)
-    if "weight" in own:
-        return own["weight"]
-    for store in ("_parameters", "_buffers", "_modules"):
-        values = own.get(store)
-        if values and "weight" in values:
-            return values["weight"]
-    return _NO_WEIGHT
-
-
-def _dtype_name(dtype) -> str:
-    """`str(dtype)`, kept (the signature is built at every call)."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    return name
-
-
-def layers_signature(module) -> tuple:
-    """Layer classes and weight dtypes under `module` (each module once, in `named_modules()`'s order): a
-    different weight format is checked on its own. Part of every guarded call's signature (`module_tree`)."""
-    return module_tree(module).layers
-
-
 def hooks_set(transformer_options) -> frozenset:
     """The names of the patch hooks other nodes set in `transformer_options["patches"]` (non-empty ones): part
     of every guarded call's signature, and what some forwards refuse to run around."""
@@ -518,6 +413,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     return guarded(what, stock, ours, refuse, check)
 
 
-__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "exact_reference", "probe_options", "mark_ours",
-           "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked", "check_tokens",
-           "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature", "module_tree", "ModuleTree", "fresh_inputs", "hooks_set", "hooks_refusal"]
+__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "exact_reference", "probe_options",
+           "mark_ours", "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked",
+           "check_tokens", "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature",
+           "module_tree", "ModuleTree", "fresh_inputs", "hooks_set", "hooks_refusal"]

@@ -11,7 +11,7 @@ from ..qkv_core import drain_notices, drain_tally, reset_notices, split_plan
 from . import compat, kernel_patch, planner, reference_cache
 from .dispatch import LEVELS, QKVConfig, backend_choices, family_config, split_floor
 from .families import ADAPTERS
-from .family import check_adapter
+from .families.family import check_adapter
 from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui, stock_fallback
 
 WRAPPER_KEY = "comfyui_qkv"
@@ -19,7 +19,7 @@ RUN_WRAPPER_KINDS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
                      comfy.patcher_extension.WrappersMP.CALC_COND_BATCH)
 
 # ADAPTERS: the registry's families (nodes/families/__init__.py), in the order they are tried
-for _adapter in ADAPTERS:   # each meets nodes/family.py's contract (a clear error at import otherwise)
+for _adapter in ADAPTERS:   # each meets nodes/families/family.py's contract (a clear error at import otherwise)
     check_adapter(_adapter)
 
 

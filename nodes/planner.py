@@ -1,6 +1,6 @@
 """The VRAM planner: before anything runs, from a model's dimensions and the latent's size, the peak working set
 of its largest block at each head-split level, beside ComfyUI's own block (the family's `WORKING_SETS`,
-nodes/family.py). It answers "which level fits?" without a ten-minute trial; the run report shows the same
+nodes/families/measured.py). It answers "which level fits?" without a ten-minute trial; the run report shows the same
 estimate beside the peak it measured."""
 from __future__ import annotations
 

@@ -34,6 +34,11 @@ def hidream(env):
     return importlib.import_module(env.pack.__name__ + ".nodes.families.hidream")
 
 
+@pytest.fixture(scope="module")
+def hidream_moe(env):
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.hidream_moe")
+
+
 def hidream_model(**config):
     import torch
     import comfy.model_patcher
@@ -247,8 +252,8 @@ def routing_gaps(torch, ff, x):
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_bounded_moe_equals_comfyuis_module(env, hidream, dtype_name):
-    """The pack's mixture of experts (`_bounded_moe_`: routing once, experts on their rows by chunks, the routed
+def test_bounded_moe_equals_comfyuis_module(env, hidream_moe, dtype_name):
+    """The pack's mixture of experts (`hidream_moe.bounded_moe_`: routing once, experts on their rows by chunks, the routed
     sum by token chunks) against ComfyUI's `MOEFeedForwardSwiGLU` on the same modulated input: float32 within
     1e-6; bf16 equal on every token but those near a routing tie (counted: none on the CPU, where a product's
     rows do not depend on the rows beside them). Weights as stored and cast per call; 2 batch items with their
@@ -263,7 +268,7 @@ def test_bounded_moe_equals_comfyuis_module(env, hidream, dtype_name):
         ff, norm, out, shift, scale = moe_setup(torch, dtype, **case)
         if shared_modulation:
             shift, scale = shift[:1], scale[:1]
-        assert hidream.bounded_moe_refusal(ff, out, norm, (shift, scale, shift)) is None
+        assert hidream_moe.bounded_moe_refusal(ff, out, norm, (shift, scale, shift)) is None
         with torch.no_grad():
             x = norm(out).to(dtype) * (1 + scale) + shift
             stock = ff(x)
@@ -271,12 +276,12 @@ def test_bounded_moe_equals_comfyuis_module(env, hidream, dtype_name):
 
             def keep(part, y, a, b):
                 ours[:, a:b] = y
-            saved = hidream.MOE_BUDGET
-            hidream.MOE_BUDGET = budget or saved
+            saved = hidream_moe.MOE_BUDGET
+            hidream_moe.MOE_BUDGET = budget or saved
             try:
-                hidream._bounded_moe_(out, norm, ff, shift, scale, 1, keep)
+                hidream_moe.bounded_moe_(out, norm, ff, shift, scale, 1, keep)
             finally:
-                hidream.MOE_BUDGET = saved
+                hidream_moe.MOE_BUDGET = saved
         differs = (ours != stock).any(-1).reshape(-1)
         if dtype == torch.float32:
             assert rel_err(ours, stock) <= 1e-6, (case, rel_err(ours, stock))
@@ -288,7 +293,7 @@ def test_bounded_moe_equals_comfyuis_module(env, hidream, dtype_name):
             assert float(differs.float().mean()) <= 0.01, case
 
 
-def test_unknown_mixtures_run_comfyuis_module(env, hidream, split_everything):
+def test_unknown_mixtures_run_comfyuis_module(env, hidream_moe, split_everything):
     """What the bounded mixture does not know runs as ComfyUI's own module on token chunks, with the same
     numbers: normalized top-k weights (`norm_topk_prob`), another scoring function, an expert of another class,
     a layer class the pack does not know, modulation of another dtype. A model whose experts are of another
@@ -296,21 +301,21 @@ def test_unknown_mixtures_run_comfyuis_module(env, hidream, split_everything):
     torch = env.torch
     ff, norm, out, shift, scale = moe_setup(torch, torch.float32)
     mods = (shift, scale, shift)
-    assert hidream.bounded_moe_refusal(ff, out, norm, mods) is None
+    assert hidream_moe.bounded_moe_refusal(ff, out, norm, mods) is None
     ff.gate.norm_topk_prob = True
-    assert "norm_topk_prob" in hidream.bounded_moe_refusal(ff, out, norm, mods)
+    assert "norm_topk_prob" in hidream_moe.bounded_moe_refusal(ff, out, norm, mods)
     ff.gate.norm_topk_prob = False
     ff.gate.scoring_func = "sigmoid"
-    assert "scoring function" in hidream.bounded_moe_refusal(ff, out, norm, mods)
+    assert "scoring function" in hidream_moe.bounded_moe_refusal(ff, out, norm, mods)
     ff.gate.scoring_func = "softmax"
-    assert "modulation" in hidream.bounded_moe_refusal(ff, out, norm, (shift.double(), scale, shift))
+    assert "modulation" in hidream_moe.bounded_moe_refusal(ff, out, norm, (shift.double(), scale, shift))
 
     class OtherExpert(type(ff.experts[1])):
         def forward(self, x):
             return super().forward(x)
     original = ff.experts[1]
     ff.experts[1].__class__ = OtherExpert
-    assert "OtherExpert" in hidream.bounded_moe_refusal(ff, out, norm, mods)
+    assert "OtherExpert" in hidream_moe.bounded_moe_refusal(ff, out, norm, mods)
     ff.experts[1].__class__ = type(ff.experts[0])
 
     class OtherLinear(torch.nn.Linear):   # a layer that computes its own way
@@ -318,7 +323,7 @@ def test_unknown_mixtures_run_comfyuis_module(env, hidream, split_everything):
             return super().forward(x)
     layer = OtherLinear(256, original.w1.weight.shape[0], bias=False)
     ff.experts[1].w1 = layer
-    assert "experts.1.w1" in hidream.bounded_moe_refusal(ff, out, norm, mods)
+    assert "experts.1.w1" in hidream_moe.bounded_moe_refusal(ff, out, norm, mods)
 
     base = hidream_model()
     inputs = hidream_inputs(torch)
@@ -328,7 +333,7 @@ def test_unknown_mixtures_run_comfyuis_module(env, hidream, split_everything):
         moe.experts[0].__class__ = OtherExpert
         width = moe.gate.gating_dim
         vector = torch.zeros(1, 1, width)
-        assert "OtherExpert" in hidream.bounded_moe_refusal(moe, torch.zeros(1, 4, width), norm, (vector,) * 3)
+        assert "OtherExpert" in hidream_moe.bounded_moe_refusal(moe, torch.zeros(1, 4, width), norm, (vector,) * 3)
     reference = forward(base, inputs)
     patched, report = env.node.apply_patch(base, "High", "sdpa", True)
     assert patched_counts(report) == {"attention": 2, "block": 2}

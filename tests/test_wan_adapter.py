@@ -305,8 +305,8 @@ def test_even_chunks_respect_the_budget(env, tokens, per_token, budget):
 
 
 def test_every_adapter_meets_the_family_contract(env):
-    """nodes/family.py: what patching, the memory estimate and the report need of a family adapter."""
-    family = env.pack.nodes.family
+    """nodes/families/family.py: what patching, the memory estimate and the report need of a family adapter."""
+    family = env.pack.nodes.families.family
     for adapter in env.node.ADAPTERS:
         assert isinstance(adapter, family.FamilyAdapter), adapter
         family.check_adapter(adapter)

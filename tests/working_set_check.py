@@ -1,4 +1,4 @@
-"""Test helper: the planner's working-set estimate (an adapter's `WORKING_SETS`, nodes/family.py) against the
+"""Test helper: the planner's working-set estimate (an adapter's `WORKING_SETS`, nodes/families/measured.py) against the
 peaks a memory test measured with MemTracker. Imported by the adapters' memory tests as
 ``import working_set_check`` (tests/ is on sys.path)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The model families the pack adapts: one module each (`nodes/families/<module>.py`, the adapter contract of
-`nodes/family.py`), and THE registry of them. The registry feeds the patch loop (`nodes/patching.py` tries the
+`family.py`), and THE registry of them. The registry feeds the patch loop (`nodes/patching.py` tries the
 adapters in its order: the first that matches a model patches it), the patch node's description
 (`nodes/patch_node.py`) and the contract test's cases (`tests/family_cases.py` has one case per registered
 family; `tests/test_family_contract.py` checks that it does).

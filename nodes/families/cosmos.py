@@ -27,11 +27,11 @@ import torch
 import comfy.ldm.cosmos.predict2 as predict2
 
 from .. import compat
-from ..attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend, attribute, is_rms_norm
+from ..attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
+from .family import BlockList, Family, probe_heads
 
 FAMILY = "Cosmos"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("cosmos")
@@ -44,6 +44,12 @@ ATTENTION_ARGS = ("x", "context", "rope_emb", "transformer_options")
 BLOCK_ARGS = ("x_B_T_H_W_D", "emb_B_T_D", "crossattn_emb", "rope_emb_L_1_1_D", "adaln_lora_B_T_3D",
               "extra_per_block_pos_emb", "transformer_options")
 BLOCK_PARTS = ("self_attn", "cross_attn", "mlp")
+# A `MiniTrainDIT`'s blocks: both attention modules patched, and the block.
+SPEC = Family(FAMILY, "cosmos", (BlockList("blocks", cls=predict2.Block),), latent_ranks=(5,),
+              patch_size=("patch_temporal", "patch_spatial", "patch_spatial"),
+              projections=("self_attn", ("q_proj", "k_proj", "v_proj"), "self_attn."),
+              attentions=("self_attn", "cross_attn"), stock_parts=BLOCK_PARTS, patch_parts=BLOCK_PARTS,
+              model_class=predict2.MiniTrainDIT)
 MODULATIONS = ("self_attn", "cross_attn", "mlp")   # adaln_modulation_<name>, layer_norm_<name>
 
 
@@ -93,18 +99,10 @@ def attention(module, config, x_list: list, transformer_options, context=None, r
 
 def probe_attention(module) -> Optional[str]:
     """None when `module` (predict2's `Attention`) has the structure the pack's forward uses."""
-    heads, head_dim = getattr(module, "n_heads", None), getattr(module, "head_dim", None)
-    if not isinstance(heads, int) or not isinstance(head_dim, int):
-        return "no n_heads/head_dim"
-    if head_dim % 2:
-        return "an odd head_dim"
-    width = heads * head_dim
-    reason = STREAM.probe(module, width, width)
+    heads, head_dim, reason = probe_heads(module, "n_heads", "head_dim", STREAM, ("q_norm", "k_norm"))
     if reason:
         return reason
-    for name in ("q_norm", "k_norm"):
-        if not is_rms_norm(attribute(module, name), head_dim):
-            return f"{name} is not an RMSNorm over {head_dim} channels"
+    width = heads * head_dim
     if not isinstance(getattr(module, "v_norm", None), torch.nn.Identity):
         return "v_norm is not an Identity"
     weight = getattr(getattr(module, "output_proj", None), "weight", None)
@@ -216,37 +214,18 @@ def probe_block(block) -> Optional[str]:
     return None
 
 
-# --- guards ----------------------------------------------------------------------------------------------------
-def _stock_functions(module) -> tuple:
-    parts = [getattr(module, name, None) for name in BLOCK_PARTS]
-    return (type(module).forward,) + tuple(type(part).forward for part in parts if part is not None)
-
-
+# --- guards and the adapter contract (family.py) ---------------------------------------------------------------
 def _rope_layout(rope_emb):
     return None if rope_emb is None else (rope_emb.dim(), tuple(rope_emb.shape[2:]), rope_emb.dtype)
 
 
-def _attention_signature(module, config, bound) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x = bound["x"]
-    return ("attention", _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("context") is None,
-            _rope_layout(bound.get("rope_emb")))
+def _attention_extra(bound: dict) -> tuple:
+    return (bound.get("context") is None, _rope_layout(bound.get("rope_emb")))
 
 
-def _with_options(bound: dict, out: dict) -> dict:
-    if "transformer_options" in bound:
-        out["transformer_options"] = compat.probe_options(bound["transformer_options"] or {})
-    return out
-
-
-def _check_attention(bound: dict) -> dict:
-    """The call's first tokens (with their RoPE rows; a cross-attention's context whole)."""
-    n = compat.check_tokens(bound["x"].shape[1])
-    out = dict(bound, x=bound["x"][:, :n].clone())
-    if bound.get("rope_emb") is not None:
-        out["rope_emb"] = bound["rope_emb"][:, :n].clone()
-    return _with_options(bound, out)
+def _rope_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's RoPE rows: those of its first tokens (a cross-attention's context whole)."""
+    return {"rope_emb": lambda rope: rope[:, :n].clone()}
 
 
 def _refuse_attention(module):
@@ -256,28 +235,21 @@ def _refuse_attention(module):
     return refuse
 
 
-def _attention_forward(module, config):
-    def forward(x, context=None, rope_emb=None, transformer_options={}):
-        out = attention(module, config, [x], transformer_options, context=context, rope_emb=rope_emb)
-        return output_projection_(module.output_proj, out)
-    return forward
+def run_attention(module, config, x, context=None, rope_emb=None, transformer_options={}):
+    """predict2 `Attention.forward`: the output projection of the attention of x."""
+    out = attention(module, config, [x], transformer_options, context=context, rope_emb=rope_emb)
+    return output_projection_(module.output_proj, out)
 
 
 def attention_forward(module, config):
     """The guarded forward installed on a predict2 `Attention` (self- or cross-attention)."""
-    return compat.guard_module(
-        f"{FAMILY} attention", module, ATTENTION_ARGS, _attention_forward, config,
-        functions=lambda: _stock_functions(module),
-        signature=lambda bound: _attention_signature(module, config, bound), check_inputs=_check_attention,
-        quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_attention(module))
+    return SPEC.guard("attention", "attention", module, ATTENTION_ARGS, run_attention, config, x="x",
+                      extra=_attention_extra, cut=_rope_rows, refuse_call=_refuse_attention(module))
 
 
-def _block_signature(block, config, bound) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x, emb = bound["x_B_T_H_W_D"], bound["emb_B_T_D"]
-    return ("block", _stock_functions(block), compat.layers_signature(block), x.dtype, emb.dtype, x.device.type,
-            config, compat.hooks_set(options), "optimized_attention_override" in options,
-            _rope_layout(bound.get("rope_emb_L_1_1_D")), emb.shape[1] == 1,
+def _block_extra(bound: dict) -> tuple:
+    emb = bound["emb_B_T_D"]
+    return (emb.dtype, _rope_layout(bound.get("rope_emb_L_1_1_D")), emb.shape[1] == 1,
             bound.get("adaln_lora_B_T_3D") is None, bound.get("extra_per_block_pos_emb") is None)
 
 
@@ -302,7 +274,8 @@ def _check_block(bound: dict) -> dict:
     rope = bound.get("rope_emb_L_1_1_D")
     if rope is not None:
         out["rope_emb_L_1_1_D"] = cut(rope.unflatten(1, (frames, height, width))).flatten(1, 3)
-    return _with_options(bound, out)
+    out["transformer_options"] = compat.probe_options(bound.get("transformer_options") or {})
+    return out
 
 
 def _refuse_block(block):
@@ -329,74 +302,20 @@ def _refuse_block(block):
 
 def bounded_block_forward(block, config):
     """The guarded bounded forward installed on a predict2 `Block`."""
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run_block(module, config, **compat.bind_args(BLOCK_ARGS, args, kwargs))
-        return forward
-    return compat.guard_module(
-        f"{FAMILY} block", block, BLOCK_ARGS, ours_factory, config, functions=lambda: _stock_functions(block),
-        signature=lambda bound: _block_signature(block, config, bound), check_inputs=_check_block,
-        residual="x_B_T_H_W_D", quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block),
-        refuse_more=foreign_part)
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="x_B_T_H_W_D", extra=_block_extra,
+                      check_inputs=_check_block, residual="x_B_T_H_W_D", refuse_call=_refuse_block(block),
+                      refuse_more=foreign_part)
 
 
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _blocks(model):
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        for index, block in enumerate(blocks):
-            if isinstance(block, predict2.Block):
-                yield f"diffusion_model.blocks.{index}", block
-
-
-def matches(diffusion_model) -> bool:
-    """A Cosmos predict2 DiT (`MiniTrainDIT`, Anima's too): blocks of predict2's `Block`."""
-    return isinstance(diffusion_model, predict2.MiniTrainDIT) and next(_blocks(diffusion_model), None) is not None
+def _probe_attention(module) -> Optional[str]:
+    return probe_attention(module) if isinstance(module, predict2.Attention) else "not predict2's Attention"
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone): both attention modules of every block that probe clean; with
     block bounds, the blocks."""
-    for path, block in _blocks(patcher.model.diffusion_model):
-        for name in ("self_attn", "cross_attn"):
-            module = getattr(block, name, None)
-            patch_module(patcher, report, FAMILY, f"{path}.{name}", "attention",
-                         lambda module=module: attention_forward(module, config),
-                         lambda module=module: probe_attention(module) if isinstance(module, predict2.Attention)
-                         else "not predict2's Attention")
-        if config.block:
-            patch_module(patcher, report, FAMILY, path, "block",
-                         lambda block=block: bounded_block_forward(block, config),
-                         lambda block=block: probe_block(block), parts=BLOCK_PARTS)
+    SPEC.patch(patcher, config, report, attention=(attention_forward, _probe_attention),
+               block=(bounded_block_forward, probe_block))
 
 
-def stock_functions(diffusion_model) -> set:
-    functions = set()
-    for _, block in _blocks(diffusion_model):
-        functions.update(_stock_functions(block))
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Tokens of one batch item for a latent `(B, C, T, H, W)` (patches of `patch_temporal` x `patch_spatial`^2,
-    padded up), or None."""
-    if latent_shape is None or len(latent_shape) != 5:
-        return None
-    temporal = int(getattr(diffusion_model, "patch_temporal", 1))
-    spatial = int(getattr(diffusion_model, "patch_spatial", 1))
-    frames, height, width = (int(size) for size in latent_shape[2:])
-    return -(-frames // temporal) * -(-height // spatial) * -(-width // spatial)
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    heads = getattr(diffusion_model, "num_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    block = next(_blocks(diffusion_model), (None, None))[1]
-    return unsliceable_projection(getattr(block, "self_attn", None), ("q_proj", "k_proj", "v_proj"), "self_attn.")
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return ("block",)
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, block_kinds = SPEC.contract()

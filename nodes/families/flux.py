@@ -25,10 +25,10 @@ import comfy.ldm.flux.layers as flux_layers
 from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
 from ..block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
-from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, quantizes_inputs, token_ranges
+from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, token_ranges
 from ..dispatch import attention_splits
-from ..family import patch_module, unsliceable_projection
 from . import measured
+from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, stream_rows, unsliceable_projection
 
 FAMILY = "Flux"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("flux")
@@ -59,6 +59,11 @@ def single_form(block) -> AttentionForm:
 
 
 HOOKS_RUN_INSIDE = ("attn1_patch", "attn1_output_patch")   # hooks the stock blocks call on whole q/k/v
+# The double blocks, then the single blocks: patched whatever block bounds say (they hold the attention).
+SPEC = Family(FAMILY, "flux", (BlockList("double_blocks", kind="double", label="double block",
+                                         cls=flux_layers.DoubleStreamBlock),
+                               BlockList("single_blocks", kind="single", label="single block",
+                                         cls=flux_layers.SingleStreamBlock)), blocks_always=True)
 
 
 # --- probes -------------------------------------------------------------------------------------------------
@@ -77,7 +82,7 @@ def _mlp_ok(mlp) -> Optional[str]:
 
 def probe_double(block) -> Optional[str]:
     """None when a `DoubleStreamBlock` has the structure the pack's forward uses."""
-    if not isinstance(getattr(block, "num_heads", None), int) or not isinstance(getattr(block, "hidden_size", None), int):
+    if not all(isinstance(getattr(block, name, None), int) for name in ("num_heads", "hidden_size")):
         return "no num_heads/hidden_size"
     heads, head_dim = _heads(block)
     if heads * head_dim != block.hidden_size:
@@ -274,25 +279,11 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     return _finite_fp16(x)
 
 
-# --- guards ---------------------------------------------------------------------------------------------------
-def _stock_functions(block) -> tuple:
-    return (type(block).forward,)
-
-
-
-def _refuse_call(bound) -> Optional[str]:
-    return compat.hooks_refusal(bound.get("transformer_options"), HOOKS_RUN_INSIDE)
-
-
-def _signature(kind: str, block, config, bound: dict) -> tuple:
-    options = bound.get("transformer_options") or {}
-    mask = bound.get("attn_mask")
+# --- guards and the adapter contract (family.py) ---------------------------------------------------------------
+def _extra(bound: dict) -> tuple:
     dims = tuple(name for name in ("modulation_dims", "modulation_dims_img", "modulation_dims_txt")
                  if bound.get(name) is not None)
-    x = bound["img"] if "img" in bound else bound["x"]
-    return (kind, _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("pe") is None,
-            None if mask is None else (mask.dim(), mask.dtype), dims, torch.is_tensor(bound.get("vec")))
+    return (bound.get("pe") is None, layout(bound.get("attn_mask")), dims, torch.is_tensor(bound.get("vec")))
 
 
 def _slice_mask(mask, keep: torch.Tensor):
@@ -311,122 +302,58 @@ def _clip_dims(dims, n: int):
     return None if dims is None else _chunk_dims(dims, 0, n)
 
 
-def _check_double(block, bound: dict) -> dict:
-    """The call's first tokens of each stream (all batch items), with their RoPE rows and mask entries."""
-    img, txt = bound["img"], bound["txt"]
-    n_img, n_txt = compat.check_tokens(img.shape[1]), min(txt.shape[1], compat.CHECK_TOKENS // 4)
-    if _double_form(block) is DOUBLE_FLIPPED:
-        keep = torch.cat((torch.arange(n_img), img.shape[1] + torch.arange(n_txt)))
-    else:
-        keep = torch.cat((torch.arange(n_txt), txt.shape[1] + torch.arange(n_img)))
-    pe = bound.get("pe")
-    out = dict(bound)
-    out.update(img=img[:, :n_img].clone(), txt=txt[:, :n_txt].clone(),
-               pe=None if pe is None else pe.index_select(2, keep.to(pe.device)),
-               attn_mask=_slice_mask(bound.get("attn_mask"), keep),
-               modulation_dims_img=_clip_dims(bound.get("modulation_dims_img"), n_img),
-               modulation_dims_txt=_clip_dims(bound.get("modulation_dims_txt"), n_txt),
-               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
-    return out
+def _check_double(block):
+    def check(bound: dict) -> dict:
+        """The call's first tokens of each stream (all batch items), with their RoPE rows and mask entries."""
+        img, txt = bound["img"], bound["txt"]
+        n_img, n_txt = compat.check_tokens(img.shape[1]), min(txt.shape[1], TEXT_CHECK_TOKENS)
+        if _double_form(block) is DOUBLE_FLIPPED:
+            keep = torch.cat((torch.arange(n_img), img.shape[1] + torch.arange(n_txt)))
+        else:
+            keep = torch.cat((torch.arange(n_txt), txt.shape[1] + torch.arange(n_img)))
+        pe = bound.get("pe")
+        out = dict(bound)
+        out.update(img=stream_rows(img, n_img), txt=stream_rows(txt, n_txt),
+                   pe=None if pe is None else pe.index_select(2, keep.to(pe.device)),
+                   attn_mask=_slice_mask(bound.get("attn_mask"), keep),
+                   modulation_dims_img=_clip_dims(bound.get("modulation_dims_img"), n_img),
+                   modulation_dims_txt=_clip_dims(bound.get("modulation_dims_txt"), n_txt),
+                   transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
+        return out
+    return check
 
 
-def _check_single(block, bound: dict) -> dict:
-    x = bound["x"]
-    n = compat.check_tokens(x.shape[1])
-    keep = torch.arange(n)
-    pe = bound.get("pe")
-    out = dict(bound)
-    out.update(x=x[:, :n].clone(), pe=None if pe is None else pe[:, :, :n].clone(),
-               attn_mask=_slice_mask(bound.get("attn_mask"), keep),
-               modulation_dims=_clip_dims(bound.get("modulation_dims"), n),
-               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
-    return out
-
-
-def _guard(kind, what, block, names, run, check_inputs, residual, config):
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run(module, config, **compat.bind_args(names, args, kwargs))
-        return forward
-    return compat.guard_module(
-        what, block, names, ours_factory, config, functions=lambda: _stock_functions(block),
-        signature=lambda bound: _signature(kind, block, config, bound),
-        check_inputs=lambda bound: check_inputs(block, bound),
-        residual=residual, quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call,
-        refuse_more=foreign_part)
+def _single_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's RoPE rows, mask entries and modulation ranges of its first tokens."""
+    return {"pe": lambda pe: pe[:, :, :n].clone(), "attn_mask": lambda mask: _slice_mask(mask, torch.arange(n)),
+            "modulation_dims": lambda dims: _clip_dims(dims, n)}
 
 
 def double_block_forward(block, config):
     """The guarded forward installed on a `DoubleStreamBlock`."""
-    return _guard("double", f"{FAMILY} double block", block, DOUBLE_ARGS, run_double_block, _check_double,
-                  ("img", "txt"), config)
+    return SPEC.guard("double", "double block", block, DOUBLE_ARGS, run_double_block, config, x="img", extra=_extra,
+                      check_inputs=_check_double(block), residual=("img", "txt"), hooks_inside=HOOKS_RUN_INSIDE,
+                      refuse_more=foreign_part)
 
 
 def single_block_forward(block, config):
     """The guarded forward installed on a `SingleStreamBlock`."""
-    return _guard("single", f"{FAMILY} single block", block, SINGLE_ARGS, run_single_block, _check_single,
-                  "x", config)
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _blocks(model):
-    for list_name, cls in (("double_blocks", flux_layers.DoubleStreamBlock),
-                           ("single_blocks", flux_layers.SingleStreamBlock)):
-        blocks = getattr(model, list_name, None)
-        if isinstance(blocks, torch.nn.ModuleList):
-            for index, block in enumerate(blocks):
-                if isinstance(block, cls):
-                    yield f"diffusion_model.{list_name}.{index}", list_name, block
-
-
-def matches(diffusion_model) -> bool:
-    """A model built from Flux's double/single stream blocks (Flux, Chroma, HunyuanVideo, ...)."""
-    return next(_blocks(diffusion_model), None) is not None
+    return SPEC.guard("single", "single block", block, SINGLE_ARGS, run_single_block, config, x="x", extra=_extra,
+                      cut=_single_rows, residual="x", hooks_inside=HOOKS_RUN_INSIDE, refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone) for every block that probes clean."""
-    model = patcher.model.diffusion_model
-    for path, list_name, block in _blocks(model):
-        if list_name == "double_blocks":
-            factory, probe, what = double_block_forward, probe_double, "double block"
-        else:
-            factory, probe, what = single_block_forward, probe_single, "single block"
-        patch_module(patcher, report, FAMILY, path, what,
-                     lambda block=block, factory=factory: factory(block, config),
-                     lambda block=block, probe=probe: probe(block))
+    SPEC.patch(patcher, config, report, block={"double_blocks": (double_block_forward, probe_double),
+                                               "single_blocks": (single_block_forward, probe_single)})
 
 
-def stock_functions(diffusion_model) -> set:
-    return {type(block).forward for _, _, block in _blocks(diffusion_model)}
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Image (or video) tokens of one batch item for a latent `(B, C, H, W)` or `(B, C, T, H, W)` (the text
-    tokens come on top; not known here)."""
-    if latent_shape is None or len(latent_shape) not in (4, 5):
-        return None
-    patch_size = getattr(diffusion_model, "patch_size", 2)
-    sizes = list(patch_size) if isinstance(patch_size, (list, tuple)) else [patch_size] * 2
-    dims = list(latent_shape[2:])
-    sizes = ([1] * (len(dims) - len(sizes)) + sizes)[-len(dims):]
-    count = 1
-    for size, step in zip(dims, sizes):
-        count *= -(-int(size) // int(step))
-    return count
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    heads = getattr(diffusion_model, "num_heads", None)
-    return heads if isinstance(heads, int) else None
+matches, stock_functions, tokens_per_item, kv_heads, _, block_kinds = SPEC.contract()
 
 
 def splits_projections(diffusion_model) -> Optional[str]:
-    block = next(_blocks(diffusion_model), (None, None, None))[2]
+    """The double blocks' fused `img_attn.qkv`, or the single blocks' `linear1` where the model has only those."""
+    block = SPEC.first(diffusion_model)
     if hasattr(block, "img_attn"):
         return unsliceable_projection(block.img_attn, ("qkv",), "img_attn.")
     return unsliceable_projection(block, ("linear1",))
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return tuple(sorted({kind.split("_")[0] for _, kind, _ in _blocks(diffusion_model)}))

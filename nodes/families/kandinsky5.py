@@ -30,15 +30,22 @@ try:
 except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matches
     kandinsky_model = None
 
-from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import foreign_part, mlp_residual_
-from ..comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from ..family import patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, linear_handed_off, token_ranges
 from . import measured
+from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Kandinsky5"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("kandinsky5")
+# The text blocks' self-attention is patched, the visual blocks bounded whole (their parts: every child).
+SPEC = Family(FAMILY, "kandinsky5", (BlockList("text_transformer_blocks"), BlockList("visual_transformer_blocks")),
+              patch_default=(1, 2, 2), kv_heads_at="block.self_attention.num_heads",
+              projections=("self_attention", ("to_query", "to_key", "to_value"), ""), attentions=("self_attention",),
+              attention_cls=getattr(kandinsky_model, "SelfAttention", None), attention_label="self-attention",
+              bounded=lambda block: kandinsky_model is not None and isinstance(
+                  block, kandinsky_model.TransformerDecoderBlock),
+              stock_parts=("self_attention", "cross_attention", "feed_forward"), patch_parts=None)
 
 SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="to_query", k="to_key", v="to_value",
                                                           norm_q="query_norm", norm_k="key_norm"),),
@@ -83,12 +90,10 @@ def probe_block(block) -> Optional[str]:
     reason = _takes(block, BLOCK_ARGS)
     if reason:
         return reason
-    attention = getattr(block, "self_attention", None)
-    if not isinstance(attention, kandinsky_model.SelfAttention):
-        return "its self_attention is not a SelfAttention"
-    reason = probe_attention(attention)
+    reason = probe_part(block, "self_attention", probe_attention, kandinsky_model.SelfAttention)
     if reason:
-        return f"self_attention: {reason}"
+        return reason
+    attention = block.self_attention
     width = attention.num_heads * attention.head_dim
     if getattr(attention.out_layer.weight, "shape", (None,))[0] != width:
         return "self_attention.out_layer does not map back to the block's width"
@@ -171,123 +176,33 @@ def run_block(block, config, visual_embed, text_embed, time_embed, freqs, transf
     return out
 
 
-# --- guards ----------------------------------------------------------------------------------------------------------
-def _stock_functions(module) -> tuple:
-    """ComfyUI's forward functions whose math a forward of the pack replaces."""
-    if isinstance(module, kandinsky_model.SelfAttention):
-        return (type(module).forward,)
-    return tuple(type(part).forward for part in (module, module.self_attention, module.cross_attention,
-                                                 module.feed_forward))
+# --- guards and the adapter contract (family.py) ----------------------------------------------------------------------
+def _freqs_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's RoPE rows: those of its first tokens."""
+    return {"freqs": lambda freqs: freqs[:, :n].clone()}
 
 
-def _signature(kind: str, module, config, bound: dict) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x = bound["x"] if "x" in bound else bound["visual_embed"]
-    freqs = bound.get("freqs")
-    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            compat.hooks_set(options),
-            "optimized_attention_override" in options, None if freqs is None else (freqs.dim(), freqs.dtype))
-
-
-def _check_inputs(bound: dict) -> dict:
-    """The call's first tokens (all batch items) with their RoPE rows; the text and the time embedding whole;
-    probes for other nodes' hooks."""
-    name = "x" if "x" in bound else "visual_embed"
-    x, freqs = bound[name], bound.get("freqs")
-    n = compat.check_tokens(x.shape[1])
-    out = dict(bound)
-    out.update({name: x[:, :n].clone(), "freqs": None if freqs is None else freqs[:, :n].clone(),
-                "transformer_options": compat.probe_options(bound.get("transformer_options") or {})})
-    return out
-
-
-def _guard(kind: str, what: str, module, names, run, config, residual=None, refuse_more=None):
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run(module, config, **compat.bind_args(names, args, kwargs))
-        return forward
-    return compat.guard_module(
-        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
-        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
-        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_more=refuse_more)
+def _extra(bound: dict) -> tuple:
+    return (layout(bound.get("freqs")),)
 
 
 def attention_forward(attention, config):
     """The guarded forward installed on a `SelfAttention`."""
-    return _guard("attention", f"{FAMILY} self-attention", attention, ATTENTION_ARGS, run_attention, config)
+    return SPEC.guard("attention", "self-attention", attention, ATTENTION_ARGS, run_attention, config, x="x",
+                      extra=_extra, cut=_freqs_rows)
 
 
 def block_forward(block, config):
     """The guarded bounded forward installed on a `TransformerDecoderBlock` (block bounds on)."""
-    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, run_block, config, residual="visual_embed",
-                  refuse_more=foreign_part)
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------------
-def _blocks(model):
-    for list_name in ("text_transformer_blocks", "visual_transformer_blocks"):
-        blocks = getattr(model, list_name, None)
-        if isinstance(blocks, torch.nn.ModuleList):
-            for index, block in enumerate(blocks):
-                yield f"diffusion_model.{list_name}.{index}", block
-
-
-def matches(diffusion_model) -> bool:
-    """A model built from Kandinsky 5's blocks."""
-    return kandinsky_model is not None and any(isinstance(block, kandinsky_model.TransformerDecoderBlock)
-                                               for _, block in _blocks(diffusion_model))
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="visual_embed", extra=_extra,
+                      cut=_freqs_rows, residual="visual_embed", refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone): every self-attention that probes clean, and with block bounds
     every visual block. A module another node patched keeps that patch (its block then runs stock)."""
-    for path, block in _blocks(patcher.model.diffusion_model):
-        attention = getattr(block, "self_attention", None)
-        if isinstance(attention, kandinsky_model.SelfAttention):
-            patch_module(patcher, report, FAMILY, f"{path}.self_attention", "self-attention",
-                         lambda attention=attention: attention_forward(attention, config),
-                         lambda attention=attention: probe_attention(attention))
-        if config.block and isinstance(block, kandinsky_model.TransformerDecoderBlock):
-            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
-                         lambda block=block: probe_block(block),
-                         parts=tuple(name for name, _ in block.named_children()))
+    SPEC.patch(patcher, config, report, attention=(attention_forward, probe_attention),
+               block=(block_forward, probe_block))
 
 
-def stock_functions(diffusion_model) -> set:
-    functions = set()
-    for _, block in _blocks(diffusion_model):
-        functions.add(type(block.self_attention).forward)
-        if isinstance(block, kandinsky_model.TransformerDecoderBlock):
-            functions.update(_stock_functions(block))
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Visual tokens of one batch item for a latent `(B, C, T, H, W)` or `(B, C, H, W)`."""
-    if latent_shape is None or len(latent_shape) not in (4, 5):
-        return None
-    sizes = list(getattr(diffusion_model, "patch_size", (1, 2, 2)))
-    dims = ([1] if len(latent_shape) == 4 else []) + [int(size) for size in latent_shape[2:]]
-    count = 1
-    for size, step in zip(dims, sizes):
-        count *= -(-size // int(step))
-    return count
-
-
-def _first_attention(diffusion_model):
-    for _, block in _blocks(diffusion_model):
-        return getattr(block, "self_attention", None)
-    return None
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    heads = getattr(_first_attention(diffusion_model), "num_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    return unsliceable_projection(_first_attention(diffusion_model), ("to_query", "to_key", "to_value"))
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return ("block",)
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, block_kinds = SPEC.contract()

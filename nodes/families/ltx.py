@@ -35,13 +35,12 @@ try:   # ComfyUI's fused kernels (comfy_kitchen), v0.8+
 except ImportError:   # an older ComfyUI
     quant_ops = None
 
-from .. import compat
 from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_PAIRS,
-                        ROPE_SPLIT_HALF, StreamProjections, attend, attribute, is_rms_norm)
+                        ROPE_SPLIT_HALF, StreamProjections, attend)
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
-from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
+from .family import BlockList, Family, probe_heads
 
 FAMILY = "LTX"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("ltx")
@@ -152,18 +151,11 @@ def attention(module, config, x_list: list, transformer_options, context=None, m
 
 def probe_attention(module) -> Optional[str]:
     """None when `module` (LTX's `CrossAttention`) has the structure the pack's forward uses."""
-    heads, head_dim = getattr(module, "heads", None), getattr(module, "dim_head", None)
-    if not isinstance(heads, int) or not isinstance(head_dim, int):
-        return "no heads/dim_head"
-    if head_dim % 2:
-        return "an odd head_dim"
-    width = heads * head_dim
-    reason = STREAM.probe(module, width, width)
+    heads, head_dim, reason = probe_heads(module, "heads", "dim_head", STREAM, ("q_norm", "k_norm"),
+                                          spans_heads=True)
     if reason:
         return reason
-    for name in ("q_norm", "k_norm"):
-        if not is_rms_norm(attribute(module, name), width):
-            return f"{name} is not an RMSNorm over {width} channels"
+    width = heads * head_dim
     if getattr(module, "attn_precision", None) is not None:
         return f"attn_precision {module.attn_precision} (the pack's kernels keep the inputs' precision)"
     out = getattr(module, "to_out", None)
@@ -287,35 +279,33 @@ def probe_block(block) -> Optional[str]:
     return None
 
 
-# --- guards ----------------------------------------------------------------------------------------------------
+# --- guards and the adapter contract (family.py) ---------------------------------------------------------------
 ATTENTION_ARGS = ("x", "context", "mask", "pe", "k_pe", "transformer_options")
 BLOCK_ARGS = ("x", "context", "attention_mask", "timestep", "pe", "transformer_options", "self_attention_mask",
               "prompt_timestep")
 BLOCK_PARTS = ("attn1", "attn2", "ff")
-
-
-def _stock_functions(module) -> tuple:
-    parts = [getattr(module, name, None) for name in BLOCK_PARTS]
-    return (type(module).forward,) + tuple(type(part).forward for part in parts if part is not None)
-
+# Every attention of the blocks (LTX-Video's and LTX-2's) patched; LTX-Video's blocks bounded, LTX-2's audio-video
+# blocks keep ComfyUI's forward (said in the report).
+SPEC = Family(FAMILY, "ltx", (BlockList("transformer_blocks"),), latent_ranks=(5,), patch_size="patchifier.patch_size",
+              patch_default=(1, 1, 1), kv_heads_at="model.num_attention_heads",
+              projections=("attn1", ("to_q", "to_k", "to_v"), "attn1."), attentions=ATTENTION_NAMES,
+              attention_cls=ltx_model.CrossAttention,
+              bounded=lambda block: type(block) is ltx_model.BasicTransformerBlock,
+              unbounded_note="keeps ComfyUI's forward (its attention modules are patched)", stock_parts=BLOCK_PARTS,
+              patch_parts=BLOCK_PARTS, first_block=("attn1", ltx_model.CrossAttention))
 
 
 def _mask_layout(mask):
     return None if mask is None else (mask.dim(), tuple(mask.shape[1:-1]) != (1,) * (mask.dim() - 2), mask.dtype)
 
 
-def _attention_signature(module, config, bound) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x = bound["x"]
-    return ("attention", _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options, bound.get("context") is None,
-            _rope_layout(bound.get("pe")), _rope_layout(bound.get("k_pe")), _mask_layout(bound.get("mask")))
+def _attention_extra(bound: dict) -> tuple:
+    return (bound.get("context") is None, _rope_layout(bound.get("pe")), _rope_layout(bound.get("k_pe")),
+            _mask_layout(bound.get("mask")))
 
 
 def _slice_mask(mask, n: int, tokens: int, keys_too: bool):
     """`mask` for the first `n` queries (and keys, for a self-attention) of `tokens`."""
-    if mask is None:
-        return None
     out = mask
     if out.dim() >= 2 and out.shape[-2] == tokens:
         out = out[..., :n, :]
@@ -324,28 +314,14 @@ def _slice_mask(mask, n: int, tokens: int, keys_too: bool):
     return out.clone()
 
 
-def _first_tokens(bound: dict, cut: dict) -> dict:
-    """`bound` with each argument the call passed that `cut` names replaced by `cut[name](value)`, and
-    `transformer_options` with probes for its hooks (the call's first tokens for a self-check)."""
-    out = dict(bound)
-    for name, fn in cut.items():
-        if name in bound:
-            out[name] = fn(bound[name])
-    if "transformer_options" in bound:
-        out["transformer_options"] = compat.probe_options(bound["transformer_options"] or {})
-    return out
-
-
-def _check_attention(bound: dict) -> dict:
-    """The call's first tokens (keys of a self-attention too; a cross-attention's context whole)."""
-    tokens = bound["x"].shape[1]
-    n = compat.check_tokens(tokens)
+def _attention_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's rows of the RoPE tables and the mask (keys of a self-attention too; a cross-attention's
+    context whole)."""
     self_attention = bound.get("context") is None
-    cut = {"x": lambda x: x[:, :n].clone(), "pe": lambda pe: _rope_tokens(pe, n),
-           "mask": lambda mask: _slice_mask(mask, n, tokens, self_attention)}
+    cut = {"pe": lambda pe: _rope_tokens(pe, n), "mask": lambda mask: _slice_mask(mask, n, tokens, self_attention)}
     if self_attention:
         cut["k_pe"] = lambda pe: _rope_tokens(pe, n)
-    return _first_tokens(bound, cut)
+    return cut
 
 
 def _refuse_attention(module):
@@ -355,41 +331,31 @@ def _refuse_attention(module):
     return refuse
 
 
-def _attention_forward(module, config):
-    def forward(x, context=None, mask=None, pe=None, k_pe=None, transformer_options={}):
-        out = attention(module, config, [x], transformer_options, context=context, mask=mask, pe=pe, k_pe=k_pe)
-        return output_projection_(module.to_out[0], out)
-    return forward
+def run_attention(module, config, x, context=None, mask=None, pe=None, k_pe=None, transformer_options={}):
+    """LTX `CrossAttention.forward`: the output projection of the attention of x."""
+    out = attention(module, config, [x], transformer_options, context=context, mask=mask, pe=pe, k_pe=k_pe)
+    return output_projection_(module.to_out[0], out)
 
 
 def attention_forward(module, config):
     """The guarded forward installed on an LTX `CrossAttention` (self- or cross-attention)."""
-    return compat.guard_module(
-        f"{FAMILY} attention", module, ATTENTION_ARGS, _attention_forward, config,
-        functions=lambda: _stock_functions(module),
-        signature=lambda bound: _attention_signature(module, config, bound), check_inputs=_check_attention,
-        quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_attention(module),
-        short_runs_stock=SHORT_RUNS_STOCK)
+    return SPEC.guard("attention", "attention", module, ATTENTION_ARGS, run_attention, config, x="x",
+                      extra=_attention_extra, cut=_attention_rows, refuse_call=_refuse_attention(module))
 
 
-def _block_signature(block, config, bound) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x, timestep = bound["x"], bound.get("timestep")
-    return ("block", _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options, _rope_layout(bound.get("pe")),
-            _mask_layout(bound.get("attention_mask")), _mask_layout(bound.get("self_attention_mask")),
-            None if timestep is None else timestep.shape[1] == 1, bound.get("prompt_timestep") is None)
+def _block_extra(bound: dict) -> tuple:
+    timestep = bound.get("timestep")
+    return (_rope_layout(bound.get("pe")), _mask_layout(bound.get("attention_mask")),
+            _mask_layout(bound.get("self_attention_mask")), None if timestep is None else timestep.shape[1] == 1,
+            bound.get("prompt_timestep") is None)
 
 
-def _check_block(bound: dict) -> dict:
-    """The call's first tokens, with their RoPE rows, masks and per-token timesteps (the context whole)."""
-    tokens = bound["x"].shape[1]
-    n = compat.check_tokens(tokens)
-    return _first_tokens(bound, {
-        "x": lambda x: x[:, :n].clone(), "pe": lambda pe: _rope_tokens(pe, n),
-        "self_attention_mask": lambda mask: _slice_mask(mask, n, tokens, True),
-        "attention_mask": lambda mask: _slice_mask(mask, n, tokens, False),
-        "timestep": lambda t: t[:, :n].clone() if t.shape[1] == tokens else t})
+def _block_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's RoPE rows, masks and per-token timesteps (the context whole)."""
+    return {"pe": lambda pe: _rope_tokens(pe, n),
+            "self_attention_mask": lambda mask: _slice_mask(mask, n, tokens, True),
+            "attention_mask": lambda mask: _slice_mask(mask, n, tokens, False),
+            "timestep": lambda t: t[:, :n].clone() if t.shape[1] == tokens else t}
 
 
 def _refuse_block(block):
@@ -407,90 +373,15 @@ def _refuse_block(block):
 
 def bounded_block_forward(block, config):
     """The guarded bounded forward installed on an LTX-Video `BasicTransformerBlock`."""
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run_block(module, config, **compat.bind_args(BLOCK_ARGS, args, kwargs))
-        return forward
-    return compat.guard_module(
-        f"{FAMILY} block", block, BLOCK_ARGS, ours_factory, config, functions=lambda: _stock_functions(block),
-        signature=lambda bound: _block_signature(block, config, bound), check_inputs=_check_block, residual="x",
-        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_block(block), refuse_more=foreign_part,
-        short_runs_stock=SHORT_RUNS_STOCK)
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _is_attention(module) -> bool:
-    return isinstance(module, ltx_model.CrossAttention)
-
-
-def _blocks(model):
-    blocks = getattr(model, "transformer_blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        for index, block in enumerate(blocks):
-            yield f"diffusion_model.transformer_blocks.{index}", block
-
-
-def _attentions(block):
-    for name in ATTENTION_NAMES:
-        module = getattr(block, name, None)
-        if _is_attention(module):
-            yield name, module
-
-
-def matches(diffusion_model) -> bool:
-    """An LTX model: transformer blocks whose self-attention is LTX's `CrossAttention`."""
-    first = next(_blocks(diffusion_model), (None, None))[1]
-    return first is not None and _is_attention(getattr(first, "attn1", None))
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="x", extra=_block_extra,
+                      cut=_block_rows, residual="x", refuse_call=_refuse_block(block), refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone): every attention module that probes clean; with block bounds,
     LTX-Video's blocks (LTX-2's audio-video blocks keep ComfyUI's forward around their patched attention)."""
-    model = patcher.model.diffusion_model
-    for path, block in _blocks(model):
-        for name, module in _attentions(block):
-            patch_module(patcher, report, FAMILY, f"{path}.{name}", "attention",
-                         lambda module=module: attention_forward(module, config),
-                         lambda module=module: probe_attention(module))
-        if config.block and type(block) is ltx_model.BasicTransformerBlock:
-            patch_module(patcher, report, FAMILY, path, "block",
-                         lambda block=block: bounded_block_forward(block, config),
-                         lambda block=block: probe_block(block), parts=BLOCK_PARTS)
-        elif config.block:
-            report.skipped(FAMILY, f"{path} (block)", f"{type(block).__name__} keeps ComfyUI's forward (its "
-                                                      f"attention modules are patched)")
+    SPEC.patch(patcher, config, report, attention=(attention_forward, probe_attention),
+               block=(bounded_block_forward, probe_block))
 
 
-def stock_functions(diffusion_model) -> set:
-    functions = set()
-    for _, block in _blocks(diffusion_model):
-        if type(block) is ltx_model.BasicTransformerBlock:
-            functions.add(type(block).forward)
-        for _, module in _attentions(block):
-            functions.add(type(module).forward)
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Video tokens of one batch item for a latent `(B, C, T, H, W)` (patch size 1 in LTX), or None."""
-    if latent_shape is None or len(latent_shape) != 5:
-        return None
-    patch_size = tuple(getattr(getattr(diffusion_model, "patchifier", None), "patch_size", (1, 1, 1)))
-    count = 1
-    for size, step in zip(latent_shape[2:], patch_size):
-        count *= -(-int(size) // int(step))
-    return count
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    heads = getattr(diffusion_model, "num_attention_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    block = next(_blocks(diffusion_model), (None, None))[1]
-    return unsliceable_projection(getattr(block, "attn1", None), ("to_q", "to_k", "to_v"), "attn1.")
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return ("block",)
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, block_kinds = SPEC.contract()

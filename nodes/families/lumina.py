@@ -32,12 +32,11 @@ import torch
 
 import comfy.ldm.lumina.model as lumina_model
 
-from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import GatedMLP, foreign_part, mlp_residual_
-from ..comfy_ops import chunk_tokens, linear_handed_off, quantizes_inputs, token_ranges
-from ..family import patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, linear_handed_off, token_ranges
 from . import measured
+from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Lumina2"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("lumina")
@@ -52,6 +51,12 @@ BLOCK_ARGS = ("x", "x_mask", "freqs_cis", "adaln_input", "timestep_zero_index", 
 # the block's submodules the bounded block computes itself (another node's patch on one: the block runs stock)
 BLOCK_PARTS = ("attention", "feed_forward", "attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2",
                "adaLN_modulation")
+# Every block list of Lumina 2's and Z-Image's (its refiners, the main layers): attention and block patched.
+SPEC = Family(FAMILY, "lumina", tuple(BlockList(name, cls=lumina_model.JointTransformerBlock)
+                                      for name in ("context_refiner", "siglip_refiner", "noise_refiner", "layers")),
+              kv_heads_at="block.attention.n_local_kv_heads", projections=("attention", ("qkv",), ""),
+              attentions=("attention",), attention_cls=lumina_model.JointAttention,
+              stock_parts=("attention", "feed_forward"), patch_parts=BLOCK_PARTS)
 
 
 def _clamp_fp16(t: torch.Tensor) -> torch.Tensor:
@@ -126,12 +131,10 @@ def probe_block(block) -> Optional[str]:
     unknown = [name for name in _forward_args(block) if name not in BLOCK_ARGS]
     if unknown:
         return f"its forward takes arguments the pack's does not ({', '.join(unknown)})"
-    attention = getattr(block, "attention", None)
-    if not isinstance(attention, lumina_model.JointAttention):
-        return "its attention is not a JointAttention"
-    reason = probe_attention(attention)
+    reason = probe_part(block, "attention", probe_attention, lumina_model.JointAttention)
     if reason:
-        return f"attention: {reason}"
+        return reason
+    attention = block.attention
     dim = getattr(block, "dim", None)
     if not isinstance(dim, int) or not _linear_ok(attention.out, dim, attention.n_local_heads * attention.head_dim):
         return "attention.out does not map the heads back to the block's width"
@@ -241,34 +244,21 @@ def run_block(block, config, x, x_mask, freqs_cis, adaln_input=None, timestep_ze
     return out
 
 
-# --- guards ----------------------------------------------------------------------------------------------------------
-def _stock_functions(module) -> tuple:
-    """ComfyUI's forward functions whose math a forward of the pack replaces."""
-    if isinstance(module, lumina_model.JointAttention):
-        return (type(module).forward,)
-    return (type(module).forward, type(module.attention).forward, type(module.feed_forward).forward)
-
-
-
+# --- guards and the adapter contract (family.py) ----------------------------------------------------------------------
 def _refuse_attention_call(bound) -> Optional[str]:
     if bound.get("qkv") is not None:
         return "the block handed in its own q/k/v product"
     return None
 
 
-def _signature(kind: str, module, config, bound: dict) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x, mask, freqs = bound["x"], bound.get("x_mask"), bound.get("freqs_cis")
-    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options,
-            None if mask is None else (mask.dim(), mask.dtype), None if freqs is None else freqs.dim(),
-            bound.get("adaln_input") is None, bound.get("timestep_zero_index") is None)
+def _extra(bound: dict) -> tuple:
+    freqs = bound.get("freqs_cis")
+    return (layout(bound.get("x_mask")), None if freqs is None else freqs.dim(), bound.get("adaln_input") is None,
+            bound.get("timestep_zero_index") is None)
 
 
 def _first_tokens_mask(mask, tokens: int, n: int):
     """`mask` restricted to the first `n` of `tokens` tokens, on its query and key dims where they span them."""
-    if mask is None:
-        return None
     out = mask
     for dim in (-1, -2):
         if out.dim() >= -dim and out.shape[dim] == tokens:
@@ -276,117 +266,38 @@ def _first_tokens_mask(mask, tokens: int, n: int):
     return out.clone()
 
 
-def _check_inputs(bound: dict) -> dict:
-    """The call's first tokens (all batch items: Z-Image Omni's modulation has twice the batch of x), with
-    their RoPE rows, mask entries and modulation ranges; probes for other nodes' hooks."""
-    x = bound["x"]
-    tokens = x.shape[1]
-    n = compat.check_tokens(tokens)
-    freqs, ranges = bound.get("freqs_cis"), bound.get("timestep_zero_index")
-    out = dict(bound)
-    out.update(x=x[:, :n].clone(), x_mask=_first_tokens_mask(bound.get("x_mask"), tokens, n),
-               freqs_cis=None if freqs is None else freqs[:, :n].clone(),
-               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
-    if ranges is not None:
-        out["timestep_zero_index"] = _ranges_in(ranges, 0, n)
-    return out
-
-
-def _guard(kind: str, what: str, module, run, config, residual=None, refuse_call=None, refuse_more=None):
-    names = _forward_args(module)
-
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run(module, config, **compat.bind_args(names, args, kwargs))
-        return forward
-    return compat.guard_module(
-        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
-        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
-        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=refuse_call,
-        refuse_more=refuse_more, short_runs_stock=SHORT_RUNS_STOCK)
+def _check_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's first tokens (all batch items: Z-Image Omni's modulation has twice the batch of x) with their
+    RoPE rows, mask entries and modulation ranges."""
+    return {"x_mask": lambda mask: _first_tokens_mask(mask, tokens, n), "freqs_cis": lambda freqs: freqs[:, :n].clone(),
+            "timestep_zero_index": lambda ranges: _ranges_in(ranges, 0, n)}
 
 
 def attention_forward(attention, config):
     """The guarded forward installed on a `JointAttention`."""
-    return _guard("attention", f"{FAMILY} attention", attention, run_attention, config,
-                  refuse_call=_refuse_attention_call)
+    return SPEC.guard("attention", "attention", attention, _forward_args(attention), run_attention, config, x="x",
+                      extra=_extra, cut=_check_rows, refuse_call=_refuse_attention_call)
 
 
 def block_forward(block, config):
     """The guarded bounded forward installed on a `JointTransformerBlock` (block bounds on)."""
-    return _guard("block", f"{FAMILY} block", block, run_block, config, residual="x", refuse_more=foreign_part)
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------------
-BLOCK_LISTS = ("context_refiner", "siglip_refiner", "noise_refiner", "layers")
-
-
-def _blocks(model):
-    for list_name in BLOCK_LISTS:
-        blocks = getattr(model, list_name, None)
-        if isinstance(blocks, torch.nn.ModuleList):
-            for index, block in enumerate(blocks):
-                if isinstance(block, lumina_model.JointTransformerBlock):
-                    yield f"diffusion_model.{list_name}.{index}", block
-
-
-def matches(diffusion_model) -> bool:
-    """A model built from Lumina's `JointTransformerBlock`s (Lumina 2, Z-Image, NewBie, ...)."""
-    return next(_blocks(diffusion_model), None) is not None
+    return SPEC.guard("block", "block", block, _forward_args(block), run_block, config, x="x", extra=_extra,
+                      cut=_check_rows, residual="x", refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone): every attention that probes clean, and with block bounds every
     block. A module another node patched keeps that patch (its block then runs stock, calling it)."""
-    for path, block in _blocks(patcher.model.diffusion_model):
-        attention = getattr(block, "attention", None)
-        if isinstance(attention, lumina_model.JointAttention):
-            patch_module(patcher, report, FAMILY, f"{path}.attention", "attention",
-                         lambda attention=attention: attention_forward(attention, config),
-                         lambda attention=attention: probe_attention(attention))
-        if config.block:
-            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
-                         lambda block=block: probe_block(block), parts=BLOCK_PARTS)
+    SPEC.patch(patcher, config, report, attention=(attention_forward, probe_attention),
+               block=(block_forward, probe_block))
 
 
-def stock_functions(diffusion_model) -> set:
-    functions = set()
-    for _, block in _blocks(diffusion_model):
-        functions.update(_stock_functions(block))
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Image tokens of one batch item for a latent `(B, C, H, W)` (or `(B, C, T, H, W)`); the text and
-    padding tokens come on top (not known here)."""
-    if latent_shape is None or len(latent_shape) not in (4, 5):
-        return None
-    patch_size = int(getattr(diffusion_model, "patch_size", 2))
-    count = 1
-    for size in latent_shape[-2:]:
-        count *= -(-int(size) // patch_size)
-    return count * (int(latent_shape[2]) if len(latent_shape) == 5 else 1)
-
-
-def _first_attention(diffusion_model):
-    for _, block in _blocks(diffusion_model):
-        return getattr(block, "attention", None)
-    return None
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    kv = getattr(_first_attention(diffusion_model), "n_local_kv_heads", None)
-    return kv if isinstance(kv, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    return unsliceable_projection(_first_attention(diffusion_model), ("qkv",))
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, _ = SPEC.contract()
 
 
 def block_kinds(diffusion_model) -> tuple:
     """Z-Image's blocks (a modulation from at most 256 channels) or Lumina 2's."""
-    block = next(_blocks(diffusion_model), (None, None))[1]
-    modulation = getattr(block, "adaLN_modulation", None)
+    modulation = getattr(SPEC.first(diffusion_model), "adaLN_modulation", None)
     first = modulation[0] if isinstance(modulation, torch.nn.Sequential) and len(modulation) else None
     width = getattr(diffusion_model, "dim", None)
     zimage = first is not None and width is not None and getattr(first, "in_features", width) < width

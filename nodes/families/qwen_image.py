@@ -30,10 +30,10 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, attribute, token_freqs
 from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
                           run_modulated_layer_norm)
-from ..comfy_ops import chunk_tokens, module_attr, quantizes_inputs, token_ranges
+from ..comfy_ops import chunk_tokens, module_attr, token_ranges
 from ..dispatch import attention_splits
-from ..family import patch_module, unsliceable_projection
 from . import measured
+from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
@@ -59,8 +59,11 @@ ATTENTION_ARGS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_stat
                   "image_rotary_emb", "transformer_options")
 BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb", "image_rotary_emb",
               "timestep_zero_index", "transformer_options")
-# the check's text tokens: a quarter of its image tokens (the text is short next to the image)
-CHECK_TEXT_TOKENS = compat.CHECK_TOKENS // 4
+# The transformer blocks of Qwen-Image (MageFlow's too): attention and block patched.
+SPEC = Family(FAMILY, "qwen_image", (BlockList("transformer_blocks", cls=qwen_model.QwenImageTransformerBlock),),
+              kv_heads_at="block.attn.heads",
+              projections=("attn", ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"), "attn."),
+              attentions=("attn",), stock_parts=("attn", "img_mlp"), patch_parts=("attn",))
 
 
 # --- probes -------------------------------------------------------------------------------------------------
@@ -348,19 +351,8 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     return txt_out, img_out
 
 
-# --- guards ---------------------------------------------------------------------------------------------------
-def _stock_functions(module) -> tuple:
-    """ComfyUI's forwards whose math the pack's forward of `module` (an attention or a block) replaces."""
-    if isinstance(module, qwen_model.QwenImageTransformerBlock):
-        return (type(module).forward, type(module.attn).forward, type(module.img_mlp).forward)
-    return (type(module).forward,)
-
-
-
+# --- guards and the adapter contract (family.py) ---------------------------------------------------------------
 def _refuse_call(bound) -> Optional[str]:
-    reason = compat.hooks_refusal(bound.get("transformer_options"), HOOKS_RUN_INSIDE)
-    if reason is not None:
-        return reason
     if bound.get("attention_mask") is not None:
         return "an attention_mask argument (ComfyUI's blocks pass none; its use differs between versions)"
     txt = bound.get("encoder_hidden_states")
@@ -375,14 +367,11 @@ def _refuse_call(bound) -> Optional[str]:
     return None
 
 
-def _signature(kind: str, module, config, bound: dict) -> tuple:
-    mask, img, freqs = bound.get("encoder_hidden_states_mask"), bound["hidden_states"], bound.get("image_rotary_emb")
+def _extra(bound: dict) -> tuple:
+    img, freqs = bound["hidden_states"], bound.get("image_rotary_emb")
     tokens = img.shape[1] + bound["encoder_hidden_states"].shape[1]
-    options = bound.get("transformer_options") or {}
-    return (kind, _stock_functions(module), compat.layers_signature(module), img.dtype, img.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options,
-            None if freqs is None else (rope_token_dim(freqs, tokens), freqs.dtype),
-            None if mask is None else (mask.dim(), mask.dtype), bound.get("timestep_zero_index") is None)
+    return (None if freqs is None else (rope_token_dim(freqs, tokens), freqs.dtype),
+            layout(bound.get("encoder_hidden_states_mask")), bound.get("timestep_zero_index") is None)
 
 
 def _image_keep(tokens: int, zero_from: Optional[int]) -> torch.Tensor:
@@ -398,7 +387,7 @@ def _image_keep(tokens: int, zero_from: Optional[int]) -> torch.Tensor:
 def _text_keep(tokens: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """The check's text tokens: the first ones, or, with a mask, up to half of them where the mask is not 0
     and the rest where it is (masked and unmasked keys are both checked, wherever the padding is)."""
-    n = min(tokens, CHECK_TEXT_TOKENS)
+    n = min(tokens, TEXT_CHECK_TOKENS)
     if mask is None or n == tokens:
         return torch.arange(n)
     marked = (mask.reshape(-1, tokens) != 0).any(0).cpu()
@@ -429,84 +418,25 @@ def _check_inputs(bound: dict) -> dict:
     return out
 
 
-def _guard(kind: str, what: str, module, names, run, config, residual=None):
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run(module, config, **compat.bind_args(names, args, kwargs))
-        return forward
-    return compat.guard_module(
-        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
-        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
-        residual=residual, quantized=lambda: quantizes_inputs(module), refuse_call=_refuse_call,
-        refuse_more=foreign_part)
-
-
 def attention_forward(attn, config):
     """The guarded forward installed on a Qwen-Image `Attention`."""
-    return _guard("attention", f"{FAMILY} attention", attn, ATTENTION_ARGS, run_attention, config)
+    return SPEC.guard("attention", "attention", attn, ATTENTION_ARGS, run_attention, config, x="hidden_states",
+                      extra=_extra, check_inputs=_check_inputs, hooks_inside=HOOKS_RUN_INSIDE,
+                      refuse_call=_refuse_call, refuse_more=foreign_part)
 
 
 def block_forward(block, config):
     """The guarded bounded forward installed on a `QwenImageTransformerBlock` (block bounds on)."""
-    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, run_block, config,
-                  residual=("encoder_hidden_states", "hidden_states"))
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _blocks(model):
-    blocks = getattr(model, "transformer_blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        for index, block in enumerate(blocks):
-            if isinstance(block, qwen_model.QwenImageTransformerBlock):
-                yield f"diffusion_model.transformer_blocks.{index}", block
-
-
-def matches(diffusion_model) -> bool:
-    """A model built from Qwen-Image's transformer blocks (Qwen-Image, Qwen-Image-Edit, MageFlow)."""
-    return next(_blocks(diffusion_model), None) is not None
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="hidden_states", extra=_extra,
+                      check_inputs=_check_inputs, residual=("encoder_hidden_states", "hidden_states"),
+                      hooks_inside=HOOKS_RUN_INSIDE, refuse_call=_refuse_call, refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone): every block's attention that probes clean, and with block bounds
     the block too (its attention patch then serves the calls the block hands to ComfyUI's own forward)."""
-    for path, block in _blocks(patcher.model.diffusion_model):
-        patch_module(patcher, report, FAMILY, f"{path}.attn", "attention",
-                     lambda block=block: attention_forward(block.attn, config),
-                     lambda block=block: probe_attention(block.attn))
-        if config.block:
-            patch_module(patcher, report, FAMILY, path, "block", lambda block=block: block_forward(block, config),
-                         lambda block=block: probe_block(block), parts=("attn",))
+    SPEC.patch(patcher, config, report, attention=(attention_forward, probe_attention),
+               block=(block_forward, probe_block))
 
 
-def stock_functions(diffusion_model) -> set:
-    functions = set()
-    for _, block in _blocks(diffusion_model):
-        functions.update(_stock_functions(block))
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Image tokens of one batch item for a latent `(B, C, H, W)` or `(B, C, T, H, W)` (reference latents
-    and the text come on top; not known here)."""
-    if latent_shape is None or len(latent_shape) not in (4, 5):
-        return None
-    step = int(getattr(diffusion_model, "patch_size", 2))
-    frames = int(latent_shape[2]) if len(latent_shape) == 5 else 1
-    return frames * -(-int(latent_shape[-2]) // step) * -(-int(latent_shape[-1]) // step)
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    for _, block in _blocks(diffusion_model):
-        heads = getattr(block.attn, "heads", None)
-        return heads if isinstance(heads, int) else None
-    return None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    block = next(_blocks(diffusion_model), (None, None))[1]
-    return unsliceable_projection(getattr(block, "attn", None),
-                                  ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"), "attn.")
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return ("block",)
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, block_kinds = SPEC.contract()

@@ -27,12 +27,11 @@ import torch
 
 import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 
-from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
 from ..block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
-from ..comfy_ops import chunk_tokens, quantizes_inputs, token_ranges
-from ..family import patch_module, unsliceable_projection
+from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
+from .family import TEXT_CHECK_TOKENS, BlockList, Family, stream_rows
 
 FAMILY = "SD3"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("sd3")
@@ -249,12 +248,17 @@ def run_joint_block(block, config, context, x, c, use_checkpoint=True, transform
     return context_out, x_out
 
 
-# --- guards ---------------------------------------------------------------------------------------------------
-def _stock_functions(block) -> tuple:
-    """ComfyUI's functions the block's math is in (looked up now: a reloaded ComfyUI is checked again)."""
-    return (type(block).forward, mmdit._block_mixing, mmdit.DismantledBlock.post_attention,
-            mmdit.DismantledBlock.post_attention_x)
+# --- guards and the adapter contract (family.py) ---------------------------------------------------------------
+class _SD3(Family):
+    def functions(self, module) -> tuple:
+        """ComfyUI's functions the block's math is in (looked up now: a reloaded ComfyUI is checked again)."""
+        return (type(module).forward, mmdit._block_mixing, mmdit.DismantledBlock.post_attention,
+                mmdit.DismantledBlock.post_attention_x)
 
+
+# Every `JointBlock` of an MMDiT, patched whatever block bounds say (its forward holds the joint attention).
+SPEC = _SD3(FAMILY, "sd3", (BlockList("joint_blocks", label="joint block", cls=mmdit.JointBlock),), latent_ranks=(4,),
+            projections=("x_block.attn", ("qkv",), "x_block.attn."), blocks_always=True)
 
 
 def _refuse_call(bound) -> Optional[str]:
@@ -263,80 +267,26 @@ def _refuse_call(bound) -> Optional[str]:
     return None
 
 
-def _signature(block, config, bound: dict) -> tuple:
-    options = bound.get("transformer_options") or {}
-    x = bound["x"]
-    return ("joint", _stock_functions(block), compat.layers_signature(block), x.dtype, x.device.type, config,
-            compat.hooks_set(options), "optimized_attention_override" in options, bound["context"].dtype)
-
-
-def _check_inputs(block, bound: dict) -> dict:
-    """The call's first tokens of each stream (all batch items)."""
-    context, x = bound["context"], bound["x"]
-    out = dict(bound)
-    out.update(context=context[:, :min(context.shape[1], compat.CHECK_TOKENS // 4)].clone(),
-               x=x[:, :compat.check_tokens(x.shape[1])].clone(),
-               transformer_options=compat.probe_options(bound.get("transformer_options") or {}))
-    return out
+def _context_rows(bound: dict, n: int, tokens: int) -> dict:
+    """The check's first tokens of the context too."""
+    return {"context": lambda context: stream_rows(context, min(context.shape[1], TEXT_CHECK_TOKENS))}
 
 
 def block_forward(block, config):
     """The guarded forward installed on a `JointBlock`."""
-    def ours_factory(module, config):
-        def forward(*args, **kwargs):
-            return run_joint_block(module, config, **compat.bind_args(BLOCK_ARGS, args, kwargs))
-        return forward
-    return compat.guard_module(
-        f"{FAMILY} joint block", block, BLOCK_ARGS, ours_factory, config,
-        functions=lambda: _stock_functions(block), signature=lambda bound: _signature(block, config, bound),
-        check_inputs=lambda bound: _check_inputs(block, bound), residual=("context", "x"),
-        quantized=lambda: quantizes_inputs(block), refuse_call=_refuse_call, refuse_more=foreign_part,
-        short_runs_stock=SHORT_RUNS_STOCK)
-
-
-# --- the adapter contract (nodes/family.py) ---------------------------------------------------------------------
-def _blocks(model):
-    blocks = getattr(model, "joint_blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        for index, block in enumerate(blocks):
-            if isinstance(block, mmdit.JointBlock):
-                yield f"diffusion_model.joint_blocks.{index}", block
-
-
-def matches(diffusion_model) -> bool:
-    """An `MMDiT` (SD3 / SD3.5): a model built from `JointBlock`s."""
-    return next(_blocks(diffusion_model), None) is not None
+    return SPEC.guard("joint", "joint block", block, BLOCK_ARGS, run_joint_block, config, x="x",
+                      extra=lambda bound: (bound["context"].dtype,), cut=_context_rows, residual=("context", "x"),
+                      refuse_call=_refuse_call, refuse_more=foreign_part)
 
 
 def patch(patcher, config, report) -> None:
     """Object patches on `patcher` (a clone) for every joint block that probes clean."""
-    for path, block in _blocks(patcher.model.diffusion_model):
-        patch_module(patcher, report, FAMILY, path, "joint block",
-                     lambda block=block: block_forward(block, config), lambda block=block: probe(block))
+    SPEC.patch(patcher, config, report, block=(block_forward, probe))
 
 
-def stock_functions(diffusion_model) -> set:
-    return {fn for _, block in _blocks(diffusion_model) for fn in _stock_functions(block)}
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Image tokens of one batch item for a latent `(B, C, H, W)` (the context's tokens come on top)."""
-    if latent_shape is None or len(latent_shape) != 4:
-        return None
-    patch_size = int(getattr(diffusion_model, "patch_size", 2))
-    return -(-int(latent_shape[2]) // patch_size) * -(-int(latent_shape[3]) // patch_size)
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    heads = getattr(diffusion_model, "num_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    block = next(_blocks(diffusion_model), (None, None))[1]
-    return unsliceable_projection(None if block is None else block.x_block.attn, ("qkv",), "x_block.attn.")
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, _ = SPEC.contract()
 
 
 def block_kinds(diffusion_model) -> tuple:
     return tuple(sorted({"joint_self_attention" if getattr(block.x_block, "x_block_self_attn", False) else "joint"
-                         for _, block in _blocks(diffusion_model)}))
+                         for _, _, block in SPEC.blocks(diffusion_model)}))

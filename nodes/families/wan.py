@@ -23,12 +23,11 @@ from ...qkv_core import WholeProjection, cross_qkv_attention, kernels
 from .. import compat
 from ..attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
                         is_rms_norm)
-from ..block_parts import modulated_layer_norm, output_projection_
-from ..comfy_ops import (CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off,
-                        not_row_sliceable, quantizes_inputs, token_ranges)
+from ..block_parts import foreign_part, mlp_residual_, modulated_layer_norm, output_projection_
+from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, token_ranges
 from ..dispatch import attend_group, attention_kwargs, split_floor
-from ..family import patch_module, unsliceable_projection
 from . import measured
+from .family import BlockList, Family
 
 FAMILY = "Wan"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("wan")
@@ -211,16 +210,15 @@ def _projected_once(linear, context: torch.Tensor, norm=None) -> WholeProjection
 
 
 # --- the bounded block ----------------------------------------------------------------------------------
-# Token chunks of the phases after self-attention, as fractions of |x|: their transients stay under the
-# self-attention's own peak at High (cross-attention holds several chunk-sized tensors, a float32 norm scratch
-# among them where rms_norm is not fused; the FFN's hidden activation is 2.7x wider than x), and the chunks
-# stay large enough for the products to run near full speed.
+# Token chunks of the cross-attention after self-attention, as a fraction of |x|: its transients stay under the
+# self-attention's own peak at High (it holds several chunk-sized tensors, a float32 norm scratch among them where
+# rms_norm is not fused), and the chunks stay large enough for the products to run near full speed. (The FFN's,
+# whose hidden activation is 2.7x wider than x, are block_parts' `FFN_CHUNK_FRACTION`.)
 CROSS_CHUNK_FRACTION = 8
 # On CUDA with Triton the chunk's norm runs fused and no attention holds a score matrix: chunks twice as large
 # keep the block's peak (H200, Wan 14B 720p x 81: 2.20 x |x| either way) in half the cross-attention launches,
 # whose short tails cost time (block 226.6 -> 225.8 ms interleaved, H200, 2026-12-02).
 CUDA_CROSS_CHUNK_FRACTION = 4
-FFN_CHUNK_FRACTION = 2   # one FFN chunk's hidden activation holds at most |x| / 2 elements
 
 
 def cross_chunk_fraction(x: torch.Tensor) -> int:
@@ -273,7 +271,8 @@ def _modulated_norm(norm, mod: _Modulation, shift_index: int) -> Callable[[torch
     return lambda x: modulated_layer_norm(norm, x, shift, scale_plus_one)
 
 
-def run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options):
+def run_block(block, config, x, e, freqs, context, context_img_len=257, transformer_options={}):
+    """`WanAttentionBlock.forward` with every transient bounded: a new tensor (x is not written)."""
     x = x.contiguous()
     mod = _Modulation(block, e, x)
     batch, tokens, width = x.shape
@@ -330,70 +329,46 @@ def cross_attention_phase(block, residual, context, context_img_len, config, tra
 
 
 def ffn_phase_(block, residual, mod) -> None:
-    """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place. Plain weights are cast
-    once and the GELU runs on the chunk's hidden activation (the only wide transient; on CUDA in the up
-    projection's epilogue: `CastLinear.gelu`), the chunk's norm and modulation in one launch where they allow
-    (`_modulated_norm`); any other
-    weight format runs ComfyUI's own FFN on each chunk (its fused int8 activation, GGUF, ...)."""
-    batch, tokens, _ = residual.shape
-    ffn = block.ffn
-    hidden_width = getattr(ffn[0], "out_features", None) or ffn[0].weight.shape[0]
-    ffn_step = even_chunk_tokens(tokens, batch * hidden_width, max(1, residual.numel() // FFN_CHUNK_FRACTION))
-    plain = type(ffn[1]) is torch.nn.GELU and not_row_sliceable(ffn[0]) is None and \
-        not_row_sliceable(ffn[2]) is None
-    up = CastLinear(ffn[0], residual) if plain else None
-    down = CastLinear(ffn[2], residual) if plain else None
+    """residual += ffn(modulated norm2(residual)) * e5, by token chunks, in place (`block_parts.mlp_residual_`:
+    plain weights cast once and the GELU on the chunk's hidden activation, any other weight format through
+    ComfyUI's own FFN on each chunk), the chunk's norm and modulation in one launch where they allow
+    (`_modulated_norm`)."""
     fused_norm = _modulated_norm(block.norm2, mod, 3)
-    try:
-        for a, b in token_ranges(tokens, ffn_step):
-            part = residual[:, a:b]
-            modulated = fused_norm(part)
-            if modulated is None:
-                modulated = torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b))
-            if plain:
-                hidden = up.gelu(modulated, ffn[1].approximate)
-                del modulated
-                out = down(hidden)
-                del hidden
-            else:
-                out = ffn(modulated)
-                del modulated
-            torch.addcmul(part, out, mod(5, a, b), out=part)
-            del out, part
-    finally:
-        if plain:
-            up.release()
-            down.release()
+
+    def ffn_input(a, b):
+        part = residual[:, a:b]
+        modulated = fused_norm(part)
+        return torch.addcmul(mod(3, a, b), block.norm2(part), 1 + mod(4, a, b)) if modulated is None else modulated
+
+    def add_(part, out, a, b):
+        torch.addcmul(part, out, mod(5, a, b), out=part)
+    mlp_residual_(residual, block.ffn, ffn_input, add_)
 
 
-# --- the forwards the pack installs: guarded, self-checked --------------------------------------------------
+# --- the forwards the pack installs: guarded, self-checked (family.py) ------------------------------------
 SELF_ATTENTION_ARGS = ("x", "freqs", "transformer_options")
 CROSS_ATTENTION_ARGS = ("x", "context", "context_img_len", "transformer_options")
 BLOCK_ARGS = ("x", "e", "freqs", "context", "context_img_len", "transformer_options")
 VACE_BLOCK_ARGS = ("c",) + BLOCK_ARGS
 # submodules the bounded block computes itself: another node's patch on any of them means the block runs stock
 BLOCK_PARTS = ("self_attn", "cross_attn", "ffn", "norm1", "norm2", "norm3")
+# Wan's blocks and VACE's: self- and cross-attention patched, the blocks bounded.
+SPEC = Family(FAMILY, "wan", (BlockList("blocks"), BlockList("vace_blocks")), latent_ranks=(5,),
+              patch_default=(1, 2, 2), projections=("self_attn", ("q", "k", "v"), "self_attn."),
+              attentions=("self_attn", "cross_attn"), attention_label=None, stock_parts=BLOCK_PARTS[:3],
+              patch_parts=BLOCK_PARTS, first_block=("self_attn", wan_model.WanSelfAttention))
 
 
-def _stock_functions(module) -> tuple:
-    """ComfyUI's forward functions whose math a forward of the pack replaces."""
-    parts = [getattr(module, name, None) for name in BLOCK_PARTS[:3]]
-    return (type(module).forward,) + tuple(type(part).forward for part in parts if part is not None)
-
-
-def _signature(kind: str, module, config, bound: dict) -> tuple:
-    options = bound.get("transformer_options") or {}
+def _extra(bound: dict) -> tuple:
     x = bound["c"] if "c" in bound else bound["x"]
     e, img_len = bound.get("e"), bound.get("context_img_len")
     e_layout = None if e is None else (e.ndim, e.shape[1] == 1, e.shape[1] == x.shape[1])
-    return (kind, _stock_functions(module), compat.layers_signature(module), x.dtype, x.device.type, config,
-            compat.hooks_set(options),
-            "optimized_attention_override" in options, e_layout, img_len is None, bound.get("freqs") is None)
+    return (e_layout, img_len is None, bound.get("freqs") is None)
 
 
 def _check_inputs(bound: dict) -> dict:
     """The first `compat.CHECK_TOKENS` tokens of one batch item of the call's inputs (fresh tensors), with
-    probes for the patch hooks in its transformer_options."""
+    probes for the patch hooks in its transformer_options. (Wan's own: one item, the others' all of them.)"""
     x = bound["c"] if "c" in bound else bound["x"]
     batch, tokens = x.shape[0], x.shape[1]
     n = compat.check_tokens(tokens)
@@ -412,157 +387,64 @@ def _check_inputs(bound: dict) -> dict:
     return out
 
 
-def _guard(kind: str, what: str, module, names, ours_factory, config, refuse_more=None):
-    """`compat.guard_module` with Wan's call signature and check inputs."""
-    return compat.guard_module(
-        what, module, names, ours_factory, config, functions=lambda: _stock_functions(module),
-        signature=lambda bound: _signature(kind, module, config, bound), check_inputs=_check_inputs,
-        residual=("c" if "c" in names else "x") if kind.endswith("block") else None,
-        quantized=lambda: quantizes_inputs(module), refuse_more=refuse_more)
+def run_self_attention(module, config, x, freqs, transformer_options={}):
+    return output_projection_(module.o, self_attention(module, [x], freqs, config, transformer_options,
+                                                       ATTENTION_ONLY_KEPT_KEYS))
 
 
-def foreign_part(block) -> Optional[str]:
-    """Why the bounded block must not run: another node's forward or module hook on a part it computes
-    itself (ComfyUI's block calls those parts, so it keeps their patches working), else None."""
-    for name in BLOCK_PARTS:
-        part = getattr(block, name, None)
-        if part is None:
-            continue
-        if compat.foreign_forward(part):
-            return f"another node patched its {name}"
-        if part._forward_hooks or part._forward_pre_hooks:
-            return f"another node hooks its {name}"
-    return None
+def run_cross_attention(module, config, x, context, context_img_len=None, transformer_options={}):
+    cross = CrossAttention(module, context, context_img_len, config, transformer_options, like=x)
+    try:
+        return output_projection_(module.o, cross([x]), cast=cross.out)
+    finally:
+        cross.release()
 
 
-def _self_attention_forward(module, config):
-    def forward(x, freqs, transformer_options={}):
-        return output_projection_(module.o, self_attention(module, [x], freqs, config, transformer_options,
-                                                           ATTENTION_ONLY_KEPT_KEYS))
-    return forward
-
-
-def _cross_attention_forward(module, config):
-    def forward(x, context, context_img_len=None, transformer_options={}):
-        cross = CrossAttention(module, context, context_img_len, config, transformer_options, like=x)
-        try:
-            return output_projection_(module.o, cross([x]), cast=cross.out)
-        finally:
-            cross.release()
-    return forward
-
-
-def _block_forward(block, config):
-    def forward(x, e, freqs, context, context_img_len=257, transformer_options={}):
-        return run_bounded_block(block, x, e, freqs, context, context_img_len, config, transformer_options)
-    return forward
-
-
-def _vace_block_forward(block, config):
-    def forward(c, x, e, freqs, context, context_img_len=257, transformer_options={}):
-        if block.block_id == 0:
-            c = block.before_proj(c) + x
-        c = run_bounded_block(block, c, e, freqs, context, context_img_len, config, transformer_options)
-        return block.after_proj(c), c
-    return forward
+def run_vace_block(block, config, c, x, e, freqs, context, context_img_len=257, transformer_options={}):
+    if block.block_id == 0:
+        c = block.before_proj(c) + x
+    c = run_block(block, config, c, e, freqs, context, context_img_len, transformer_options)
+    return block.after_proj(c), c
 
 
 def self_attention_forward(module, config):
     """The guarded forward installed on a `WanSelfAttention`."""
-    return _guard("self_attn", f"{FAMILY} self-attention", module, SELF_ATTENTION_ARGS, _self_attention_forward,
-                  config)
+    return SPEC.guard("self_attn", "self-attention", module, SELF_ATTENTION_ARGS, run_self_attention, config, x="x",
+                      extra=_extra, check_inputs=_check_inputs)
 
 
 def cross_attention_forward(module, config):
     """The guarded forward installed on a Wan cross-attention (text, or text + CLIP image)."""
-    return _guard("cross_attn", f"{FAMILY} cross-attention", module, CROSS_ATTENTION_ARGS,
-                  _cross_attention_forward, config)
+    return SPEC.guard("cross_attn", "cross-attention", module, CROSS_ATTENTION_ARGS, run_cross_attention, config,
+                      x="x", extra=_extra, check_inputs=_check_inputs)
 
 
 def bounded_block_forward(block, config):
-    """The guarded bounded `WanAttentionBlock.forward`: every transient bounded (see `run_bounded_block`)."""
-    return _guard("block", f"{FAMILY} block", block, BLOCK_ARGS, _block_forward, config, foreign_part)
+    """The guarded bounded `WanAttentionBlock.forward`: every transient bounded (see `run_block`); a part another
+    node patched or hooks keeps the block ComfyUI's (`block_parts.foreign_part`)."""
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="x", extra=_extra,
+                      check_inputs=_check_inputs, residual="x", refuse_more=foreign_part)
 
 
 def bounded_vace_block_forward(block, config):
     """The guarded `VaceWanAttentionBlock.forward` around the bounded block."""
-    return _guard("vace_block", f"{FAMILY} VACE block", block, VACE_BLOCK_ARGS, _vace_block_forward, config,
-                  foreign_part)
+    return SPEC.guard("vace_block", "VACE block", block, VACE_BLOCK_ARGS, run_vace_block, config, x="c",
+                      extra=_extra, check_inputs=_check_inputs, residual="c", refuse_more=foreign_part)
 
 
-# --- patching ---------------------------------------------------------------------------------------------
-def matches(diffusion_model) -> bool:
-    """Is this a Wan model (by structure: a list of blocks with Wan's attention modules)?"""
-    blocks = getattr(diffusion_model, "blocks", None)
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
-        return False
-    first = blocks[0]
-    return isinstance(getattr(first, "self_attn", None), wan_model.WanSelfAttention)
-
-
-def _block_lists(model):
-    for list_name in ("blocks", "vace_blocks"):
-        blocks = getattr(model, list_name, None)
-        if isinstance(blocks, torch.nn.ModuleList):
-            for index, block in enumerate(blocks):
-                yield f"diffusion_model.{list_name}.{index}", list_name, block
-
-
+# --- patching and the adapter contract --------------------------------------------------------------------
 def patch(patcher, config, report) -> None:
     """Adds object patches to `patcher` (a clone) for every Wan module that probes clean: the attention
     modules always (they serve a block that runs stock too), the blocks with block bounds. A module another
     node already patched keeps that patch (its block then runs stock, calling it)."""
-    model = patcher.model.diffusion_model
-    for path, list_name, block in _block_lists(model):
-        kind = "VaceWanAttentionBlock" if list_name == "vace_blocks" else "WanAttentionBlock"
-        for name, factory in (("self_attn", self_attention_forward), ("cross_attn", cross_attention_forward)):
-            module = getattr(block, name, None)
-            if module is None:
-                continue
-            expected = "WanSelfAttention" if name == "self_attn" else type(module).__name__
-            patch_module(patcher, report, FAMILY, f"{path}.{name}", name,
-                         lambda module=module, factory=factory: factory(module, config),
-                         lambda module=module, expected=expected: probe_attention(module, expected))
-        if config.block:
-            factory = bounded_vace_block_forward if kind == "VaceWanAttentionBlock" else bounded_block_forward
-            patch_module(patcher, report, FAMILY, path, "block", lambda: factory(block, config),
-                         lambda: probe_block(block, kind), parts=BLOCK_PARTS)
+    SPEC.patch(patcher, config, report,
+               attention={"self_attn": (self_attention_forward,
+                                        lambda module: probe_attention(module, "WanSelfAttention")),
+                          "cross_attn": (cross_attention_forward,
+                                         lambda module: probe_attention(module, type(module).__name__))},
+               block={"blocks": (bounded_block_forward, probe_block),
+                      "vace_blocks": (bounded_vace_block_forward,
+                                      lambda block: probe_block(block, "VaceWanAttentionBlock"))})
 
 
-def stock_functions(diffusion_model) -> set:
-    """ComfyUI's forward functions this adapter's patches stand in for (the run's memory estimate is lowered
-    only once each has passed a self-check)."""
-    functions = set()
-    for _, _, block in _block_lists(diffusion_model):
-        functions.update(_stock_functions(block))
-        for name in ("self_attn", "cross_attn"):
-            if getattr(block, name, None) is not None:
-                functions.update(_stock_functions(getattr(block, name)))
-    return functions
-
-
-def tokens_per_item(diffusion_model, latent_shape) -> Optional[int]:
-    """Tokens of one batch item for a latent `(B, C, T, H, W)`, or None for another shape."""
-    if latent_shape is None or len(latent_shape) != 5:
-        return None
-    patch_size = tuple(getattr(diffusion_model, "patch_size", (1, 2, 2)))
-    count = 1
-    for size, step in zip(latent_shape[2:], patch_size):
-        count *= -(-int(size) // int(step))
-    return count
-
-
-def kv_heads(diffusion_model) -> Optional[int]:
-    """Key/value heads of the model's self-attention (Wan: all heads), or None if it does not say."""
-    heads = getattr(diffusion_model, "num_heads", None)
-    return heads if isinstance(heads, int) else None
-
-
-def splits_projections(diffusion_model) -> Optional[str]:
-    """None when the self-attention projections can be computed by rows (the head split can run), else why not."""
-    block = next(_block_lists(diffusion_model), (None, None, None))[2]
-    return unsliceable_projection(getattr(block, "self_attn", None), ("q", "k", "v"), "self_attn.")
-
-
-def block_kinds(diffusion_model) -> tuple:
-    return ("block",)
+matches, stock_functions, tokens_per_item, kv_heads, splits_projections, block_kinds = SPEC.contract()
