@@ -6,8 +6,8 @@ lets the runtime bound the memory they take. See docs/design.md §2 and README.m
 from .backends import (AttentionBackend, StagedCore, available_backends, backend_names, get_attention_backend,
                        native_prefix_kit, pay_attention, register_backend, resolve_backend, set_attention_backend,
                        unregister_backend)
-from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGroup, get_head_split_level,
-                         SplitPlan, group_count, head_groups, parse_level, set_head_split_level, split_plan)
+from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGroup, SplitPlan, SplitPolicy,
+                         group_count, head_groups, parse_level, split_plan)
 from .notices import drain_notices, reset_notices
 from .options import AttentionOptions
 from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize_prefix, q8_prefix
@@ -24,8 +24,7 @@ __all__ = [
     "qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention", "rows_",
     "ulysses_qkv_attention",
     "AttentionOptions",
-    "HeadGroup", "head_groups", "group_count", "split_plan", "SplitPlan", "parse_level", "set_head_split_level",
-    "get_head_split_level",
+    "HeadGroup", "head_groups", "group_count", "split_plan", "SplitPlan", "SplitPolicy", "parse_level",
     "LEVEL_NAMES", "TARGET_GROUPS", "SPLIT_FLOOR_TOKENS",
     "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "LinearRows", "WholeProjection",
     "FusedRows", "as_row_projection",

@@ -35,7 +35,7 @@ class AttentionOptions:
     norm_v: Optional[Callable] = None
     # the softmax scale (SDPA path only); default 1 / sqrt(head_dim)
     softmax_scale: Optional[float] = None
-    # 0-3 or "off", "low", "medium", "high"; default: the process-wide level
+    # 0-3 or "off", "low", "medium", "high"; default: High (`head_split.DEFAULT_LEVEL`)
     head_split_level: Optional[Level] = None
     # fused norm + RoPE + quantize for staged cores (docs/design.md §2.5)
     fused_quant: Optional[Callable] = None

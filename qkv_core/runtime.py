@@ -12,7 +12,7 @@ Layout: activations `(batch, tokens, features)` (or `(tokens, features)`, taken 
 head group `(batch, tokens, heads_of_group, head_dim)`; the result `(batch, tokens, heads, head_dim)`.
 
 The units of a call (docs/dev/runtime-structure.md): `validation` (checks, `ValueError`s naming the fix),
-`streams` (token streams and their projections by head range), `head_split.split_plan` (how many groups),
+`streams` (token streams and their projections by head range), `head_split.SplitPolicy` (how many groups),
 `statistics` (per-token mean squares for a norm that spans heads), `prefix_join` (a prefix joined before a
 group's keys/values) and `group_loop` (each group's projection and attention, plain or staged). `_Call` below
 composes them; this module keeps the public calls and the runtime's token-count constants (`bench.py` scales
@@ -27,9 +27,9 @@ import torch
 
 from .backends import AttentionBackend, SDPABackend, StagedCore, resolve_backend
 from . import inplace_attention
-from . import head_split
 from .group_loop import GroupLoop
-from .head_split import HeadGroup, head_groups, split_plan
+# OVER_QUERIES_GROUP_SCALE: tests and benchmarks read it beside OVER_QUERIES_MAX_TOKENS
+from .head_split import OVER_QUERIES_GROUP_SCALE, HeadGroup, SplitPolicy, head_groups   # noqa: F401
 from .notices import notice_once
 from .tally import count_attention, count_split
 from .options import AttentionOptions
@@ -51,10 +51,16 @@ STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: w
 # tokens: ~5 ms of GPU work); on an H200 the kernel took 1.15-1.2x cuDNN's GPU time at 7,145 tokens and
 # 1.3x at 16,896 (Flux 2048^2, GPU-bound), so longer calls keep SDPA.
 OVER_QUERIES_MAX_TOKENS = 12288
-# Its groups hold k and v but no result: two transients where SDPA's hold three, so the level's peak is reached
-# with 2/3 of the groups (Qwen-Image's 24 heads at Medium: 6 groups instead of 8, which also run faster: the
-# kernel's 4 heads a group fill the GPU better than 3).
-OVER_QUERIES_GROUP_SCALE = 2 / 3
+
+
+def attends_over_queries(backend: AttentionBackend, tokens: int, device: torch.device, dtype: torch.dtype,
+                         heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Does a split call on `backend` without a staged core, a caller's attention function, a mask or input reuse
+    attend its groups over their queries (its `SplitPolicy.plan(..., over_queries=True)`)? SDPA, at most
+    `OVER_QUERIES_MAX_TOKENS` tokens of one item (the longer sequence), where the kernel takes the device, dtype
+    and geometry (CUDA with Triton, 16-bit, head dim 128). The planner asks it too."""
+    return isinstance(backend, SDPABackend) and tokens <= OVER_QUERIES_MAX_TOKENS and \
+        inplace_attention.declines(device, dtype, heads, kv_heads, head_dim) is None
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
@@ -79,7 +85,7 @@ def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int
 
 class _Call:
     """One call, from the hand-off to the return: checks its arguments (validation.py), chooses the backend,
-    plans the head groups (head_split.split_plan, the one place that decides their count), runs the statistics
+    plans the head groups (its `head_split.SplitPolicy`, the one place that decides their count), runs the statistics
     pass when a norm spans heads (statistics.py) and the group loop (group_loop.py). Whatever happens, every
     projection and input is released and the kept keys are dropped before it returns: nothing is kept."""
 
@@ -123,27 +129,29 @@ class _Call:
         128)."""
         o, s = self.o, self.streams
         if self.staged_core() is not None or o.attention_fn is not None or o.attention_mask is not None or \
-                not isinstance(self.backend, SDPABackend) or o.reuse_input:
+                o.reuse_input:
             return False
-        if max(s.q_tokens, s.kv_tokens) > OVER_QUERIES_MAX_TOKENS:
-            return False
-        return inplace_attention.declines(s.device, s.dtype, s.heads, s.kv_heads, s.head_dim) is None
+        return attends_over_queries(self.backend, max(s.q_tokens, s.kv_tokens), s.device, s.dtype, s.heads,
+                                    s.kv_heads, s.head_dim)
 
     @property
-    def floor(self) -> int:
-        """The fewest tokens (of one batch item) that are split: the option, else the module's constant."""
-        return head_split.SPLIT_FLOOR_TOKENS if self.o.split_floor_tokens is None else self.o.split_floor_tokens
+    def policy(self) -> SplitPolicy:
+        """The call's split policy, from its options `head_split_level` and `split_floor_tokens`."""
+        return SplitPolicy.of_call(self.o.head_split_level, self.o.split_floor_tokens)
 
-    def plan_groups(self, target_scale: float = 1.0) -> list[HeadGroup]:
-        """The call's groups of heads, their count from `split_plan` (the longer of the q and kv sequences, of one
-        batch item: cond and uncond batched together are no longer a sequence). A projection that cannot be computed by rows, in a stream long enough to be
+    def plan_groups(self, over_queries: bool = False) -> list[HeadGroup]:
+        """The call's groups of heads, their count from its `SplitPolicy` (the longer of the q and kv sequences, of
+        one batch item: cond and uncond batched together are no longer a sequence; `over_queries`: its groups are
+        attended over their queries). A projection that cannot be computed by rows, in a stream long enough to be
         split, keeps the call in one group (said once); a short stream's is projected whole and sliced."""
         o, s = self.o, self.streams
-        unsliceable = next(((name, reason) for source in s.all_streams if source.tokens >= self.floor
+        policy = self.policy
+        floor = policy.floor
+        unsliceable = next(((name, reason) for source in s.all_streams if source.tokens >= floor
                             for name, proj in source.proj.items()   # short streams: projected whole, sliced
                             for reason in [proj.not_row_sliceable()] if reason is not None), None)
-        plan = split_plan(s.kv_heads, max(s.q_tokens, s.kv_tokens), o.head_split_level, self.floor,
-                          o.split_heads, None if unsliceable is None else unsliceable[1], target_scale)
+        plan = policy.plan(s.kv_heads, max(s.q_tokens, s.kv_tokens), split_heads=o.split_heads,
+                           unsliceable=None if unsliceable is None else unsliceable[1], over_queries=over_queries)
         if unsliceable is not None and plan.reason == unsliceable[1]:
             name, reason = unsliceable
             notice_once(f"unsplit:{reason}", f"[Attention] Head Split is not applied: the {name} projection "
@@ -155,7 +163,7 @@ class _Call:
         o, s = self.o, self.streams
         staged = self.staged_core()
         over_queries = self.over_queries()
-        groups = self.plan_groups(OVER_QUERIES_GROUP_SCALE if over_queries else 1.0)
+        groups = self.plan_groups(over_queries)
         over_queries = over_queries and len(groups) > 1   # one group returns the attention's own result
         kept_keys: dict[int, torch.Tensor] = {}   # k of the first groups, from the statistics pass
         count_split(len(groups), s.batch * max(s.q_tokens, s.kv_tokens))

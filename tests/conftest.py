@@ -30,11 +30,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _qkv_core_defaults():
-    """Every test starts and ends with qkv_core's global choices at their defaults and no notices."""
+    """Every test starts and ends with qkv_core's global backend choice at its default and no notices."""
     import qkv_core as qc
     qc.reset_notices()
     yield
-    qc.set_head_split_level(3)
     qc.set_attention_backend("auto")
     qc.reset_notices()
 

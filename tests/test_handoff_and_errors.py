@@ -269,7 +269,7 @@ def test_bad_head_split_level(layers, level):
     with pytest.raises(ValueError, match=r"head_split_level must be 0-3 or one of \('off', 'low', 'medium', 'high'\)"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, head_split_level=level)
     with pytest.raises(ValueError, match=r"head_split_level must be 0-3"):
-        qc.set_head_split_level(level)
+        qc.SplitPolicy.of_call(level, None)
     with pytest.raises(ValueError, match=r"head_split_level must be 0-3"):
         qc.parse_level(level)
 

@@ -202,7 +202,8 @@ def test_self_attention_full_rows_check():
     check_levels(run, ref, levels=(0, 3), expect={0: 1, 3: 4}.get)
 
 
-def test_global_level_and_names():
+def test_level_names_and_default():
+    """A call's level by name (any case) or number; a call that names none splits at High: no process-wide level."""
     qp, kp, vp = make_qkv(FEAT, H, D, seed=3)
     x = randn(1, 8192, FEAT, seed=4)
     counts = {}
@@ -210,20 +211,16 @@ def test_global_level_and_names():
     def zeros(qkv, group):  # no attention: only the plan matters here
         return torch.zeros(qkv[0].shape)
 
-    for level in ("off", "Low", "MEDIUM", "high"):
-        qc.set_head_split_level(level)
-        assert qc.get_head_split_level() == qc.parse_level(level)
+    for level in ("off", "Low", "MEDIUM", "high", None):
         rec = Recorder()
-        qc.qkv_attention([x], qp, kp, vp, H, D, rec, split_heads=None, attention_fn=zeros)
+        options = {} if level is None else {"head_split_level": level}
+        qc.qkv_attention([x.clone()], qp, kp, vp, H, D, rec, split_heads=None, attention_fn=zeros, **options)
         counts[level] = rec.count()
-    assert counts == {"off": 1, "Low": 4, "MEDIUM": 8, "high": 8}
+    assert counts == {"off": 1, "Low": 4, "MEDIUM": 8, "high": 8, None: 8}
     rec = Recorder()
     qc.qkv_attention([x], qp, kp, vp, H, D, rec, split_heads=False, attention_fn=zeros)
     assert rec.count() == 1
-    qc.set_head_split_level(0)
-    rec = Recorder()
-    qc.qkv_attention([x], qp, kp, vp, H, D, rec, head_split_level="high", attention_fn=zeros)  # per call
-    assert rec.count() == 8
+    assert not hasattr(qc, "set_head_split_level") and not hasattr(qc, "get_head_split_level")
 
 
 # --- joint streams -------------------------------------------------------------------------------------
@@ -588,8 +585,7 @@ def test_group_count_rule(monkeypatch):
     assert qc.group_count(1, 10 ** 6, 3) == 1
     assert qc.group_count(40, 8191, 3) == 1               # the 8192-token floor
     assert qc.group_count(40, 8192, "high") == 20
-    qc.set_head_split_level(1)
-    assert qc.group_count(40, 10 ** 5) == 4               # the global level
+    assert qc.group_count(40, 10 ** 5) == 20              # no level named: High
     with pytest.raises(ValueError, match="head_split_level must be 0-3"):
         qc.group_count(8, 8192, 4)
 

@@ -86,7 +86,6 @@ def fake(request):
     qc.register_backend(backend)
     request.addfinalizer(lambda: qc.unregister_backend(NAME))
     request.addfinalizer(lambda: qc.set_attention_backend("auto"))
-    request.addfinalizer(lambda: qc.set_head_split_level(3))
     assert NAME in qc.backend_names() and qc.backend_names()[-1] == "sdpa"
     return core
 
