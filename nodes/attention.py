@@ -180,7 +180,7 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
         options.update(references.attention_options(start, mask is not None))
     if reuse_input:
         options["reuse_input"] = True
-    return joint_qkv_attention(streams, heads, head_dim, norm_rope, head_split_level=config.level, **options)
+    return joint_qkv_attention(streams, heads, head_dim, norm_rope, **options)
 
 
 def _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options: dict, keep_keys) -> SpanningNormRope:
@@ -216,8 +216,7 @@ def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, t
         norm_rope = PerHeadNormRope(ranges, None)
     elif form.norm == NORM_SPANS_HEADS or (form.rope is not None and freqs is not None):
         norm_rope = _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options, keep_keys)
-    return cross_qkv_attention(x_list, context_list, *projections, heads, head_dim, norm_rope,
-                               head_split_level=config.level, **options)
+    return cross_qkv_attention(x_list, context_list, *projections, heads, head_dim, norm_rope, **options)
 
 
 __all__ = ["is_rms_norm", "NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",

@@ -22,12 +22,13 @@ FFN_CHUNK_FRACTION = 2
 UNSPLIT_CHUNK_SCALE = 4
 
 
-def chunk_scale(split: bool, split_scale: int = 1) -> int:
-    """The factor on the block's default chunk budgets: `split_scale` (default 1) when its attention is split
-    into head groups, `UNSPLIT_CHUNK_SCALE` when it is not (`dispatch.attention_splits`). A family passes a
-    larger `split_scale` where its split attention's own peak leaves room for larger chunks (Qwen-Image:
-    `SPLIT_CHUNK_SCALE`)."""
-    return split_scale if split else UNSPLIT_CHUNK_SCALE
+def chunk_scale(policy, kv_heads: int, tokens: int, split_scale: int = 1) -> int:
+    """The factor on the block's default chunk budgets: `split_scale` (default 1) when its attention of `tokens`
+    tokens of one batch item (all streams joined) over `kv_heads` key/value heads is split into head groups
+    (`policy.splits`, the `SplitPolicy` the runtime's call asks too), `UNSPLIT_CHUNK_SCALE` when it is not. A
+    family passes a larger `split_scale` where its split attention's own peak leaves room for larger chunks
+    (Qwen-Image: `SPLIT_CHUNK_SCALE`)."""
+    return split_scale if policy.splits(kv_heads, tokens) else UNSPLIT_CHUNK_SCALE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,7 +31,6 @@ import comfy.ops
 
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import not_counted
-from .dispatch import split_floor
 from .module_tree import (ModuleTree, _local, foreign_forward, is_ours, layers_signature, mark_ours, module_tree,
                           stock_forward)
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
@@ -360,7 +359,7 @@ def fresh_inputs(inputs: dict) -> dict:
 def guard_module(what: str, module, names, ours_factory, config, *, functions: Callable, signature: Callable,
                  check_inputs: Callable, residual: Optional[str] = None, quantized: Optional[Callable] = None,
                  refuse_more: Optional[Callable] = None, refuse_call: Optional[Callable] = None,
-                 routed: bool = False, short_runs_stock: bool = False) -> Callable:
+                 routed: bool = False) -> Callable:
     """`guarded` for one module of a family: ours = `ours_factory(module, config)`, self-checked once per
     kind of call against the module's own forward on `check_inputs(bound)` (the call's first tokens), with
     the head split forced (`config._replace(split_floor=0)`).
@@ -368,26 +367,27 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     `names`: the forward's parameters (a call with others runs stock); `functions()`: ComfyUI's functions
     whose math ours replaces (the verdict is kept for them); `signature(bound)`: what makes a call another
     kind (dtype, layouts, hooks present, ...); `residual`: the input a block adds its update to (the check
-    compares the updates), or a tuple of them for a block returning several streams in that order; `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
+    compares the updates), or a tuple of them for a block returning several streams in that order;
+    `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
     `refuse_more(module)`: a reason to run stock for a module state the check cannot see; `refuse_call(bound)`:
     one for a call's arguments (e.g. another node's hook the pack's forward cannot run between its groups);
-    `routed`: the module routes tokens to experts (see `compare`); `short_runs_stock`: calls whose sequences are
-    all under the split floor run ComfyUI's own forward (families whose bounded forwards are slower than
-    ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time, for a saving of ~0.5 GiB)."""
+    `routed`: the module routes tokens to experts (see `compare`). A call whose sequences are all under the split
+    floor runs ComfyUI's own forward where `config.policy.runs_stock` says so (families whose bounded forwards are
+    slower than ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time, for ~0.5 GiB)."""
     stock = stock_forward(module)
     ours = ours_factory(module, config)
     checked = ours_factory(module, config._replace(split_floor=0))
+    policy = config.policy
 
     def refuse(args, kwargs):
         bound = bind_args(names, args, kwargs)
         if bound is None:
             return unknown_args(names, args, kwargs)
-        if short_runs_stock:
-            floor = split_floor(config)
+        if policy.short_runs_stock:
             tokens = max((value.shape[1] for value in bound.values() if torch.is_tensor(value) and value.dim() == 3),
                          default=None)
-            if tokens is not None and tokens < floor:
-                return ShortCall(f"{tokens} tokens, under the split floor of {floor}: faster there")
+            if tokens is not None and policy.runs_stock(tokens):
+                return ShortCall(f"{tokens} tokens, under the split floor of {policy.floor}: faster there")
         if refuse_call is not None:
             reason = refuse_call(bound)
             if reason is not None:

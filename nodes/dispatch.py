@@ -12,7 +12,7 @@ import torch
 
 import comfy.ldm.modules.attention as comfy_attention
 
-from ..qkv_core import LEVEL_NAMES, backend_names, head_split, pay_attention, split_plan
+from ..qkv_core import LEVEL_NAMES, SplitPolicy, backend_names, pay_attention
 from ..qkv_core.notices import notice_once
 from ..qkv_core.tally import count_attention
 
@@ -26,12 +26,19 @@ class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
     0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
     tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
-    with 0); `floor_scale`: the family's multiple of the runtime's floor (`family_config`)."""
+    with 0); `floor_scale`, `short_runs_stock`: the family's multiple of the runtime's floor and whether its
+    calls under that floor run ComfyUI's own forwards (`family_config`). `policy`: all of it as one
+    `SplitPolicy`, what every split decision asks."""
     level: int
     backend: str
     block: bool
     split_floor: Optional[int] = None
     floor_scale: float = 1
+    short_runs_stock: bool = False
+
+    @property
+    def policy(self) -> SplitPolicy:
+        return SplitPolicy(self.level, self.split_floor, self.floor_scale, self.short_runs_stock)
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
@@ -96,11 +103,11 @@ def group_mask(mask: Optional[torch.Tensor], group, heads: int) -> Optional[torc
 
 def attention_kwargs(config, transformer_options, module=None, mask: Optional[torch.Tensor] = None) -> dict:
     """Keyword options for a `qkv_core` call: `attention_fn` for ComfyUI's dispatcher, else the backend, and
-    the split floor of `config`. `module`: the model's attention module, whose per-layer attention choice
-    (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would pass it. `mask`: the
-    attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the dispatcher."""
-    floor = {} if config.split_floor is None and config.floor_scale == 1 else \
-        {"split_floor_tokens": split_floor(config)}
+    the level and floor of `config.policy` (`SplitPolicy.call_options`). `module`: the model's attention module,
+    whose per-layer attention choice (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would
+    pass it. `mask`: the attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the
+    dispatcher."""
+    split = config.policy.call_options()
     if uses_comfy_dispatch(config, transformer_options):
         preferred = getattr(module, "comfy_attention", None)
         dispatch = {} if preferred is None else {"preferred_attention": preferred}
@@ -114,15 +121,15 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
             return comfy_attend(q, k, v, transformer_options, **dispatch, **call_kwargs)
         through_comfy.comfy_dispatch = True
         through_comfy.counts_itself = True   # comfy_attend counts each kernel call
-        return {"attention_fn": through_comfy, **floor}
+        return {"attention_fn": through_comfy, **split}
     if mask is not None:   # 4-D, as the runtime takes it (it slices the heads per group)
         mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
-        floor["attention_mask"] = mask.unsqueeze(1) if mask.dim() == 3 else mask
+        split["attention_mask"] = mask.unsqueeze(1) if mask.dim() == 3 else mask
     if "optimized_attention_override" in transformer_options:
         notice_once(f"override:{config.backend}",
                     f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override "
                     f"another node set is not used (pick auto or comfy to keep it)")
-    return ({} if config.backend == AUTO else {"force_attention": config.backend}) | floor
+    return ({} if config.backend == AUTO else {"force_attention": config.backend}) | split
 
 
 def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
@@ -138,23 +145,11 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
     return pay_attention(q, k, v, force_attention=force)
 
 
-def attention_splits(config, kv_heads: int, batch: int, tokens: int) -> bool:
-    """Will a self-attention of `tokens` tokens per batch item (all streams joined) be split into head groups
-    (`qkv_core.split_plan`, as the runtime decides it for the call, by the tokens of one item; a projection that
-    cannot be computed by rows may still keep it whole)? `batch` does not change the answer."""
-    return split_plan(kv_heads, tokens, config.level, split_floor(config)).groups > 1
-
-
-def split_floor(config) -> int:
-    """The fewest tokens of one batch item that `config`'s calls split."""
-    if config.split_floor is not None:
-        return config.split_floor
-    return int(head_split.SPLIT_FLOOR_TOKENS * config.floor_scale)
-
-
 def family_config(config, adapter):
-    """`config` with the family's split floor: `adapter.SPLIT_FLOOR_SCALE` times the runtime's (its row of
-    nodes/families/measured.py; 1 without an adapter), for families whose forwards are bound by the host's
-    launches on shorter sequences."""
-    scale = adapter.SPLIT_FLOOR_SCALE if adapter is not None else 1
-    return config if config.floor_scale == scale else config._replace(floor_scale=scale)
+    """`config` with the family's split policy: its floor `adapter.SPLIT_FLOOR_SCALE` times the runtime's, for
+    families whose forwards are bound by the host's launches on shorter sequences, and `adapter.SHORT_RUNS_STOCK`
+    (its row of nodes/families/measured.py; 1 and False without an adapter)."""
+    scale, stock = (adapter.SPLIT_FLOOR_SCALE, adapter.SHORT_RUNS_STOCK) if adapter is not None else (1, False)
+    if (config.floor_scale, config.short_runs_stock) == (scale, stock):
+        return config
+    return config._replace(floor_scale=scale, short_runs_stock=stock)

@@ -128,7 +128,8 @@ class QKVPlanner(io.ComfyNode):
             batch = samples.shape[0] * (2 if cond_uncond_batched else 1)
             plan = plan_working_set(adapter, diffusion_model, tuple(samples.shape),
                                     QKVConfig(3, AUTO, bool(block_bounds)), batch=batch,
-                                    dtype=compute_dtype(model.model))
+                                    dtype=compute_dtype(model.model), device=model.load_device,
+                                    transformer_options=model.model_options.get("transformer_options", {}))
         if plan is None:
             name = type(diffusion_model).__name__ if diffusion_model is not None else type(model.model).__name__
             text = (f"{name}: no estimate (not a family the pack adapts, or a latent of shape "

@@ -7,9 +7,9 @@ import torch
 
 import comfy.patcher_extension
 
-from ..qkv_core import drain_notices, drain_tally, reset_notices, split_plan
+from ..qkv_core import drain_notices, drain_tally, reset_notices
 from . import compat, kernel_patch, planner, reference_cache
-from .dispatch import LEVELS, QKVConfig, backend_choices, family_config, split_floor
+from .dispatch import LEVELS, QKVConfig, backend_choices, family_config
 from .families import ADAPTERS
 from .families.family import check_adapter
 from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui, stock_fallback
@@ -45,9 +45,9 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
     if tokens is None:
         return factors.unsplit, f"no head split known for a latent of shape {latent_shape}"
-    # the runtime's own decision (qkv_core.split_plan), for one batch item: cond and uncond may run apart
-    plan = split_plan(adapter.kv_heads(diffusion_model) or 2, tokens, config.level, split_floor(config),
-                      unsliceable=adapter.splits_projections(diffusion_model))
+    # the split policy the runtime's calls ask, for one batch item: cond and uncond may run apart
+    plan = config.policy.plan(adapter.kv_heads(diffusion_model) or 2, tokens,
+                              unsliceable=adapter.splits_projections(diffusion_model))
     if plan.groups == 1:
         return factors.unsplit, f"no head split ({plan.reason})"
     return factors.split, "head split"
@@ -160,7 +160,8 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
         tokens = adapter.tokens_per_item(diffusion_model, shape)
         batch = max(1, round(tally.largest_call / tokens)) if tokens and tally.largest_call else None
         run.plan = planner.plan(adapter, diffusion_model, shape, config, batch=batch,
-                                dtype=planner.compute_dtype(patcher.model))
+                                dtype=planner.compute_dtype(patcher.model), device=patcher.load_device,
+                                transformer_options=patcher.model_options.get("transformer_options", {}))
         run.level = LEVELS[config.level]
 
 

@@ -9,8 +9,11 @@ from typing import Optional
 
 import torch
 
-from ..qkv_core import split_plan
-from .dispatch import LEVELS, QKVConfig, family_config, split_floor
+from types import SimpleNamespace
+
+from ..qkv_core import resolve_backend
+from ..qkv_core.runtime import attends_over_queries
+from .dispatch import AUTO, LEVELS, QKVConfig, family_config, uses_comfy_dispatch
 from .report import size
 
 WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
@@ -21,7 +24,7 @@ class LevelPlan:
     level: str
     groups: int
     bytes: int
-    why: str   # split_plan's reason when it does not split
+    why: str   # the split policy's reason when it does not split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +88,31 @@ def working_sets(adapter, diffusion_model) -> dict:
     return {kind: adapter.WORKING_SETS[kind] for kind in (kinds or adapter.WORKING_SETS)}
 
 
+def over_queries(config: QKVConfig, tokens: int, kv_heads: int, width: int, dtype: torch.dtype,
+                 device: Optional[torch.device], transformer_options: Optional[dict] = None) -> bool:
+    """Would the runtime attend a split call of `tokens` tokens of one item over its queries
+    (`runtime.attends_over_queries`, with the backend `resolve_backend` chooses for it), on `device` (None: not
+    known, no)? The
+    heads are read as `kv_heads` of `width // kv_heads` channels: the one family with grouped-query attention
+    (Lumina 2) has a head dim the kernel does not take either way."""
+    if device is None or torch.device(device).type != "cuda" or kv_heads <= 0 or width % kv_heads or \
+            uses_comfy_dispatch(config, transformer_options or {}):
+        return False   # the kernel runs on CUDA only
+    head_dim = width // kv_heads
+    spec = SimpleNamespace(shape=(1, tokens, kv_heads, head_dim), dtype=dtype, device=torch.device(device))
+    backend = resolve_backend(spec, spec, spec, None, None, None if config.backend == AUTO else config.backend)
+    return backend.staged_core is None and attends_over_queries(backend, tokens, spec.device, dtype, kv_heads,
+                                                                kv_heads, head_dim)
+
+
 def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optional[int] = None,
-         dtype: Optional[torch.dtype] = None) -> Optional[Plan]:
+         dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
+         transformer_options: Optional[dict] = None) -> Optional[Plan]:
     """The estimate for `adapter`'s `diffusion_model` called on a latent of `latent_shape` (`batch` items per
     call: the latent's batch, doubled where ComfyUI runs cond and uncond together), activations in `dtype`
-    (`compute_dtype`; default bf16), or None when the shapes cannot be read (said by the caller)."""
+    (`compute_dtype`; default bf16), on `device` with the model's `transformer_options` (where the runtime may
+    attend short calls over their queries: `over_queries`), or None when the shapes cannot be read (said by the
+    caller). The split at each level is the one the runtime's calls make: the family's `SplitPolicy`."""
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
     config = family_config(config, adapter)
     width = model_width(diffusion_model)
@@ -104,11 +127,13 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     kv_heads = adapter.kv_heads(diffusion_model) or 2
     unsliceable = adapter.splits_projections(diffusion_model)
     # families that leave calls under the split floor to ComfyUI's own forwards hold stock's peak there
-    stock_runs = adapter.SHORT_RUNS_STOCK and tokens < split_floor(config)
+    stock_runs = config.policy.runs_stock(tokens)
+    attends_over = over_queries(config, tokens, kv_heads, width, dtype, device, transformer_options)
     plans = []
     for index, name in enumerate(LEVELS):
-        split = split_plan(kv_heads, tokens, index, split_floor(config), unsliceable=unsliceable)
-        factor = max(ws.bounded(split.groups) if config.block and not stock_runs else ws.stock
+        split = config._replace(level=index).policy.plan(kv_heads, tokens, unsliceable=unsliceable,
+                                                         over_queries=attends_over)
+        factor = max(ws.bounded(split.groups, split.share) if config.block and not stock_runs else ws.stock
                      for ws in sets.values())
         plans.append(LevelPlan(name, split.groups, int(factor * x_bytes), split.reason or ""))
     return Plan(adapter.FAMILY, kind, tokens, batch, width, x_bytes, int(sets[kind].stock * x_bytes),

@@ -9,6 +9,7 @@ family of the registry (nodes/families/__init__.py) has one. Skipped without Com
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 
@@ -256,3 +257,68 @@ def test_each_family_splits_from_its_own_floor(env, family):
         assert set(spy.self_heads) == {heads}, (family, scale, spy.self_heads)   # whole: all heads in one call
     else:
         assert heads // env.core.group_count(case.kv_heads, 10**6, 3) in spy.self_heads, (family, spy.self_heads)
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_the_planner_splits_as_the_runtime_does(env, family):
+    """Around the family's split floor, the planner and the memory estimate decide the split as the runtime's
+    calls do (one `SplitPolicy`): with the family's floor at the case's tokens of one item as the planner counts
+    them, and just above its longest attention (a joint one adds the text's tokens, which the planner does not
+    know before a run), the planner's head groups at High are those the patched forward ran in (the run's
+    tally), and a family that leaves short calls to ComfyUI's forwards plans stock's block exactly where none of
+    the pack's calls ran."""
+    planner = importlib.import_module(f"{env.pack.__name__}.nodes.planner")
+    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
+    case = family_cases.case(family)
+    model = case.patcher.model.diffusion_model
+    shape = tuple(case.inputs()["x"].shape)
+    tokens = adapter.tokens_per_item(model, shape)
+    with comfy_env.SdpaHeads(env.torch) as stock_spy:
+        _forward(case)
+    longest = max(stock_spy.self_tokens)
+    assert tokens <= longest, (family, tokens, longest)
+    scale = adapter.SPLIT_FLOOR_SCALE
+    config = env.node.QKVConfig(3, "sdpa", True)
+    patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", True)
+    seen = {}
+    # the runtime's floor that puts the family's (x its scale) at `tokens` or under, then just above `longest`
+    for name, runtime_floor in (("at the floor", int(tokens // scale)),
+                                ("under it", math.ceil((longest + 1) / scale))):
+        with comfy_env.split_floor(env, runtime_floor):
+            env.core.drain_tally()
+            _forward(case, applied=patched)   # the self-checks of a first call are not counted
+            tally = env.core.drain_tally()
+            plan = planner.plan(adapter, model, shape, config, batch=shape[0])
+            factor, why = env.node.memory_factor(config, adapter, model, shape, {})
+        ran = max(tally.splits, default=1)
+        seen[name] = ran
+        assert plan.levels[3].groups == ran, (family, name, plan.levels[3], tally.splits)
+        assert (why == "head split") == (ran > 1) or "self-check" in why, (family, name, why)
+        if adapter.SHORT_RUNS_STOCK:
+            assert (plan.levels[3].bytes == plan.stock_bytes) == (not tally.splits), (family, name, tally)
+    assert seen["at the floor"] > 1 and seen["under it"] == 1, (family, seen)
+    assert not _fallbacks(env), family
+
+
+def test_the_planner_counts_the_groups_of_calls_attended_over_their_queries(env, monkeypatch):
+    """Where the runtime would attend a split call over its queries (short SDPA calls on CUDA:
+    `runtime.attends_over_queries`, which the planner asks), the planner counts the level's groups times
+    `OVER_QUERIES_GROUP_SCALE`, each holding that share of a plain group's transients, as the runtime plans them."""
+    planner = importlib.import_module(f"{env.pack.__name__}.nodes.planner")
+    wan = env.wan
+    model = comfy_env.make_wan("t2v", dim=128, heads=4, layers=1).model.diffusion_model
+    config = env.node.QKVConfig(3, "sdpa", True)
+    shape = (2, 16, 4, 128, 128)   # 4 x 64 x 64 = 16,384 tokens an item: Wan's floor (2 x 8,192)
+    with comfy_env.split_floor(env, 8192):
+        assert not planner.over_queries(config, 16384, 4, 128, env.torch.bfloat16, env.torch.device("cpu"))
+        plain = planner.plan(wan, model, shape, config)
+        monkeypatch.setattr(planner, "over_queries", lambda *args, **kwargs: True)
+        over = planner.plan(wan, model, shape, config)
+    scale = env.core.head_split.OVER_QUERIES_GROUP_SCALE
+    assert [level.groups for level in plain.levels] == [1, 4, 4, 4]
+    assert [level.groups for level in over.levels] == [1, 2, 4, 4]   # Low: 4 x 2/3 -> 2 of 4 heads
+    working_set = wan.WORKING_SETS["block"]
+    assert over.levels[1].bytes == int(working_set.bounded(2, scale) * over.x_bytes)
+    assert over.levels[3].bytes == int(working_set.bounded(4, scale) * over.x_bytes) < plain.levels[3].bytes
+    assert [env.core.SplitPolicy(level).plan(4, 16384, over_queries=True).groups for level in range(4)] == \
+        [level.groups for level in over.levels]

@@ -342,7 +342,8 @@ def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
     planner = importlib.import_module(env.pack.__name__ + ".nodes.planner")
     config = dispatch.QKVConfig(3, "sdpa", True)
     ltx_config = dispatch.family_config(config, ltx)
-    assert dispatch.split_floor(config) == 8192 and dispatch.split_floor(ltx_config) == 24576
+    assert config.policy.floor == 8192 and ltx_config.policy.floor == 24576
+    assert ltx_config.policy.short_runs_stock and not config.policy.short_runs_stock
     assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
     assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})
     kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.families.kandinsky5")

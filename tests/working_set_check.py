@@ -11,7 +11,7 @@ def assert_estimates(pack, adapter, kind: str, kv_heads: int, tokens: int, ratio
     """`adapter`'s estimate for its `kind` block (stock, and bounded at `level` for a call of `tokens` tokens
     over `kv_heads` key/value heads) is within TOLERANCE of the measured `ratio_stock` / `ratio_bounded`
     (peaks in multiples of |x|)."""
-    groups = pack.qkv_core.split_plan(kv_heads, tokens, level).groups
+    groups = pack.qkv_core.SplitPolicy(level).plan(kv_heads, tokens).groups
     working_set = adapter.WORKING_SETS[kind]
     for what, estimate, measured in (("stock", working_set.stock, ratio_stock),
                                      (f"bounded, {groups} groups", working_set.bounded(groups), ratio_bounded)):

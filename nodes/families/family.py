@@ -335,9 +335,12 @@ class Family:
           `cut` slices with them (`first_tokens`);
         - ComfyUI's forward for a call with another node's hooks `hooks_inside` (those ComfyUI's forward calls on
           whole q/k/v, which the head split never holds), else as `refuse_call(bound)` says;
-        - whether its layers quantize their inputs (a looser tolerance), and the family's `short_runs_stock`.
+        - whether its layers quantize their inputs (a looser tolerance);
+        - the family's `short_runs_stock` in `config`'s split policy (what the patch loop's `family_config` sets).
         `residual`, `refuse_more`, `routed`: as `compat.guard_module` takes them."""
         names = tuple(names)
+        if config.short_runs_stock != self.short_runs_stock:
+            config = config._replace(short_runs_stock=self.short_runs_stock)
         functions = functions or (lambda: self.functions(module))
 
         def refuse(bound: dict) -> Optional[str]:
@@ -361,7 +364,7 @@ class Family:
             check_inputs=check_inputs or first_tokens(x, cut), residual=residual,
             quantized=lambda: quantizes_inputs(module),
             refuse_call=refuse if hooks_inside or refuse_call is not None else None, refuse_more=refuse_more,
-            routed=routed, short_runs_stock=self.short_runs_stock)
+            routed=routed)
 
 
 def probe_heads(module, heads: str, head_dim: str, stream=None, norms: Sequence[str] = (),

@@ -26,7 +26,6 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
 from ..block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, token_ranges
-from ..dispatch import attention_splits
 from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, stream_rows, unsliceable_projection
 
@@ -182,7 +181,7 @@ def run_double_block(block, config, img, txt, vec, pe, attn_mask=None, modulatio
         (img_mod1, img_mod2), (txt_mod1, txt_mod2) = vec
     heads, head_dim = _heads(block)
     form = _double_form(block)
-    scale = chunk_scale(attention_splits(config, heads, img.shape[0], img.shape[1] + txt.shape[1]))
+    scale = chunk_scale(config.policy, heads, img.shape[1] + txt.shape[1])
     streams = [[modulated_input(block.txt_norm1, txt, txt_mod1, modulation_dims_txt, scale)],
                [modulated_input(block.img_norm1, img, img_mod1, modulation_dims_img, scale)]]
     if form is DOUBLE_FLIPPED:
@@ -234,7 +233,7 @@ def run_single_block(block, config, x, vec, pe, attn_mask=None, modulation_dims=
     heads, head_dim = _heads(block)
     width = block.hidden_size
     mlp_rows = (3 * width, 3 * width + _mlp_first(block))
-    chunks = chunk_scale(attention_splits(config, heads, x.shape[0], x.shape[1]))
+    chunks = chunk_scale(config.policy, heads, x.shape[1])
     modulated = modulated_input(block.pre_norm, x, mod, modulation_dims, chunks)
     linear1 = ComfyLinearRows(block.linear1)
     if not config.block:   # the MLP half as ComfyUI computes it: whole, from the kept modulated input

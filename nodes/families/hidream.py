@@ -36,7 +36,6 @@ from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProj
                         is_rms_norm)
 from ..block_parts import SWIGLU, chunk_scale, foreign_part, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from ..dispatch import attention_splits
 from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family
 from .hidream_moe import add_gated, feed_forward_, is_moe, moe_functions
@@ -132,7 +131,7 @@ def run_attention(attn, config, norm_image_tokens, image_tokens_masks=None, norm
     tokens (the runtime's layout already). (`image_tokens_masks` is refused by the guard.)"""
     image_tokens = norm_image_tokens.shape[1]
     tokens = image_tokens + (0 if attn.single else norm_text_tokens.shape[1])
-    scale = chunk_scale(attention_splits(config, attn.heads, norm_image_tokens.shape[0], tokens))
+    scale = chunk_scale(config.policy, attn.heads, tokens)
     x_lists = [[norm_image_tokens]] if attn.single else [[norm_image_tokens], [norm_text_tokens]]
     del norm_image_tokens, norm_text_tokens   # the runtime holds the only references: each freed once projected
     # every group's keys kept from the spanning norm's statistics pass (each k projected once): the block's
@@ -200,7 +199,7 @@ def run_block(block, config, image_tokens, image_tokens_masks=None, text_tokens=
     if not single:
         streams.append((text_tokens, block.norm1_t, block.norm3_t, block.ff_t, mods[6:]))
     tokens = sum(x.shape[1] for x, *_ in streams)
-    chunks = chunk_scale(attention_splits(config, attn.heads, image_tokens.shape[0], tokens))
+    chunks = chunk_scale(config.policy, attn.heads, tokens)
     handed_off = [[_modulated_input(norm1, x, m[0], m[1], chunks)] for x, norm1, _, _, m in streams]
     attention = attend(attn, _form(attn), handed_off, attn.heads, _head_dim(attn), config, transformer_options,
                        freqs=rope, keep_keys=BLOCK_KEPT_KEYS).flatten(2)

@@ -44,8 +44,10 @@ class WorkingSet:
     measured: str
     per_group: float = PER_GROUP
 
-    def bounded(self, groups: int) -> float:
-        return self.bounded_whole + self.per_group / max(1, groups)
+    def bounded(self, groups: int, share: float = 1.0) -> float:
+        """The pack's block in `groups` head groups, each holding `share` of a plain SDPA group's transients
+        (`SplitPlan.share`)."""
+        return self.bounded_whole + self.per_group * share / max(1, groups)
 
 
 # The working sets' common ground (each row adds its family's own proportions and the test that holds it).

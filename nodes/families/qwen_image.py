@@ -31,7 +31,6 @@ from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjecti
 from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
                           run_modulated_layer_norm)
 from ..comfy_ops import chunk_tokens, module_attr, token_ranges
-from ..dispatch import attention_splits
 from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout
 
@@ -326,8 +325,7 @@ def run_block(block, config, hidden_states, encoder_hidden_states, encoder_hidde
     del img_mods, txt_mods
     text_tokens = txt.shape[1]
     mask = joint_key_mask(encoder_hidden_states_mask, img, text_tokens)
-    scale = chunk_scale(attention_splits(config, attn.heads, img.shape[0], text_tokens + img.shape[1]),
-                        SPLIT_CHUNK_SCALE)
+    scale = chunk_scale(config.policy, attn.heads, text_tokens + img.shape[1], SPLIT_CHUNK_SCALE)
     handed_off = [[modulated_input(block, block.txt_norm1, txt, txt_mod1, None, scale, txt_parts1)],
                   [modulated_input(block, block.img_norm1, img, img_mod1, zero_from, scale, img_parts1)]]
     # the runtime holds the only references to the modulated inputs: each is freed once projected

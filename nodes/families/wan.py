@@ -25,7 +25,7 @@ from ..attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNo
                         is_rms_norm)
 from ..block_parts import foreign_part, mlp_residual_, modulated_layer_norm, output_projection_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, token_ranges
-from ..dispatch import attend_group, attention_kwargs, split_floor
+from ..dispatch import attend_group, attention_kwargs
 from . import measured
 from .family import BlockList, Family
 
@@ -141,7 +141,7 @@ class CrossAttention:
     projected once, whatever the chunks. `release()` when done (hands back offloaded weights)."""
 
     def __init__(self, module, context, context_img_len, config, transformer_options, like: torch.Tensor):
-        self.module, self.level = module, config.level
+        self.module = module
         query = ComfyLinearRows(module.q)
         query.hold(like)
         self.out = CastLinear(module.o, like)
@@ -167,7 +167,7 @@ class CrossAttention:
             self.kwargs = {key: value for key, value in choice.items() if key != "force_attention"}
             self.kwargs["attention_fn"] = text_plus_image
         self.context = context
-        if context.shape[0] * context.shape[1] < split_floor(config):
+        if context.shape[0] * context.shape[1] < config.policy.floor:
             # the text keys (normalized) and values, computed once: the runtime slices them per group
             self.rows = [query, _projected_once(module.k, context, module.norm_k), _projected_once(module.v, context)]
             key_norm = None
@@ -186,7 +186,7 @@ class CrossAttention:
         norm_rope = self.norm_rope if split_heads else self.chunk_norm_rope
         return cross_qkv_attention(x_list, [self.context], *self.rows, module.num_heads, module.head_dim,
                                    norm_rope, norm_spans_heads=not isinstance(module.norm_q, torch.nn.Identity),
-                                   head_split_level=self.level, split_heads=split_heads, **self.kwargs)
+                                   split_heads=split_heads, **self.kwargs)
 
     def release(self) -> None:
         for rows in self.rows:
