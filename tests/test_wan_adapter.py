@@ -343,3 +343,33 @@ def test_every_adapter_meets_the_family_contract(env):
     with pytest.raises(ValueError, match=r"SHORT_RUNS_STOCK must be True or False"):
         family.check_adapter(SimpleNamespace(**{**contract, "SHORT_RUNS_STOCK": 1}))
     family.check_adapter(SimpleNamespace(**contract))
+
+
+@pytest.mark.parametrize("kind", ["t2v", "i2v"])
+def test_cross_attention_counts_one_item_against_the_floor(env, kind):
+    """The text context is a short stream (projected whole once, sliced per head group) when one item's tokens are
+    under the split floor, as the runtime counts them: a batch of items that together pass the floor does not
+    change that; a context of one item as long as the floor is projected by head group. Both equal ComfyUI's."""
+    import torch
+    wan = env.wan
+    core = importlib.import_module(env.pack.__name__ + ".qkv_core")
+    base = comfy_env.make_wan(kind, **MODEL)
+    module = base.model.diffusion_model.blocks[0].cross_attn
+    g = torch.Generator().manual_seed(5)
+    image_tokens = 257 if kind == "i2v" else 0
+    batch, text = 4, 64
+    x = torch.randn(batch, 96, MODEL["dim"], generator=g)
+    context = torch.randn(batch, image_tokens + text, MODEL["dim"], generator=g)
+    with torch.no_grad():
+        reference = module(x, context, context_img_len=image_tokens or None)
+    for floor, whole in ((text + 1, True), (text * batch - 1, True), (text, False)):
+        assert (batch * text >= floor) or whole
+        config = env.node.QKVConfig(3, "sdpa", True, split_floor=floor)
+        cross = wan.CrossAttention(module, context, image_tokens or None, config, {}, like=x)
+        try:
+            assert isinstance(cross.rows[1], core.WholeProjection) == whole, (floor, cross.rows)
+        finally:
+            cross.release()
+        with torch.no_grad():
+            out = wan.run_cross_attention(module, config, x.clone(), context, image_tokens or None)
+        assert rel_err(out, reference) <= 1e-5, (floor, rel_err(out, reference))

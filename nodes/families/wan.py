@@ -167,8 +167,9 @@ class CrossAttention:
             self.kwargs = {key: value for key, value in choice.items() if key != "force_attention"}
             self.kwargs["attention_fn"] = text_plus_image
         self.context = context
-        if context.shape[0] * context.shape[1] < config.policy.floor:
-            # the text keys (normalized) and values, computed once: the runtime slices them per group
+        if context.shape[1] < config.policy.floor:
+            # a short stream (tokens of one item, as the runtime counts them): the text keys (normalized) and
+            # values computed once, which the runtime slices per group
             self.rows = [query, _projected_once(module.k, context, module.norm_k), _projected_once(module.v, context)]
             key_norm = None
         else:  # a context long enough to be split itself is projected by head group
