@@ -32,9 +32,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import head_split, runtime
+from . import runtime
 from .backends import pay_attention
-from .head_split import HeadGroup, head_groups, split_plan
+from .head_split import HeadGroup, SplitPolicy, head_groups
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
 from .tally import count_split
@@ -76,9 +76,11 @@ def valid_group_counts(heads: int, world: int) -> list[int]:
 def exchange_group_count(heads: int, world: int, tokens: int, level=None, floor: Optional[int] = None,
                          split_heads: Optional[bool] = None, unsliceable: Optional[str] = None) -> int:
     """How many head groups the exchange of `tokens` tokens of one item (the whole sequence, all ranks) runs in:
-    `head_split.split_plan`'s choice for `heads / world` exchange units (each group's heads a multiple of the
-    world size), so the level's target count is met as closely as the head count allows."""
-    return split_plan(heads // world, tokens, level, floor, split_heads, unsliceable).groups
+    the call's `head_split.SplitPolicy` (`level`, `floor`; None: the defaults) for `heads / world` exchange units
+    (each group's heads a multiple of the world size), so the level's target count is met as closely as the head
+    count allows."""
+    return SplitPolicy.of_call(level, floor).plan(heads // world, tokens, split_heads=split_heads,
+                                                  unsliceable=unsliceable).groups
 
 
 def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, groups: Optional[int],
@@ -174,8 +176,8 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     kv_heads : int, optional
         Must equal `heads` (grouped-query attention is not exchanged here).
     head_split_level, split_floor_tokens, split_heads : optional
-        As for `qkv_attention`; the count comes from `head_split.split_plan` for `heads / world` exchange units
-        and the whole sequence (`world * n` tokens an item), so each group's heads split evenly over the ranks.
+        As for `qkv_attention`; the count comes from the call's `head_split.SplitPolicy` for `heads / world`
+        exchange units and the whole sequence (`world * n` tokens an item), so each group's heads split evenly over the ranks.
     groups : int, optional
         An explicit group count instead (one of `valid_group_counts(heads, world)`); 1 is Ulysses' single
         exchange of every head.
@@ -213,8 +215,8 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     total = world * n
     if groups is None:
         unsliceable = next((r for p in source.proj.values() for r in [p.not_row_sliceable()] if r is not None), None)
-        floor = head_split.SPLIT_FLOOR_TOKENS if split_floor_tokens is None else split_floor_tokens
-        groups = exchange_group_count(heads, world, total, head_split_level, floor, split_heads, unsliceable)
+        groups = exchange_group_count(heads, world, total, head_split_level, split_floor_tokens, split_heads,
+                                      unsliceable)
     plan = head_groups(heads, heads, groups)
     count_split(groups, batch * total)
     exchange = _Exchange(pg, world)
