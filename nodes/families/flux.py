@@ -79,14 +79,21 @@ def _mlp_ok(mlp) -> Optional[str]:
     return "its MLP is neither Linear, activation, Linear nor YakMLP"
 
 
-def probe_double(block) -> Optional[str]:
-    """None when a `DoubleStreamBlock` has the structure the pack's forward uses."""
-    if not all(isinstance(getattr(block, name, None), int) for name in ("num_heads", "hidden_size")):
-        return "no num_heads/hidden_size"
+def _probe_attention(block, form, sizes) -> Optional[str]:
+    """Why `block`'s attention is not what `form(block)` describes: one of the int attributes `sizes` missing, a
+    width that is not whole heads, or what the form's probe finds; else None."""
+    for name in sizes:
+        if not isinstance(getattr(block, name, None), int):
+            return f"no {name}"
     heads, head_dim = _heads(block)
     if heads * head_dim != block.hidden_size:
         return "hidden_size is not a multiple of num_heads"
-    reason = _double_form(block).probe(block, heads, head_dim)
+    return form(block).probe(block, heads, head_dim)
+
+
+def probe_double(block) -> Optional[str]:
+    """None when a `DoubleStreamBlock` has the structure the pack's forward uses."""
+    reason = _probe_attention(block, _double_form, ("num_heads", "hidden_size"))
     if reason:
         return reason
     for name in ("img_norm1", "txt_norm1", "img_norm2", "txt_norm2", "img_attn.proj", "txt_attn.proj"):
@@ -97,13 +104,7 @@ def probe_double(block) -> Optional[str]:
 
 def probe_single(block) -> Optional[str]:
     """None when a `SingleStreamBlock` has the structure the pack's forward uses."""
-    for name in ("num_heads", "hidden_size", "mlp_hidden_dim"):
-        if not isinstance(getattr(block, name, None), int):
-            return f"no {name}"
-    heads, head_dim = _heads(block)
-    if heads * head_dim != block.hidden_size:
-        return "hidden_size is not a multiple of num_heads"
-    reason = single_form(block).probe(block, heads, head_dim)
+    reason = _probe_attention(block, single_form, ("num_heads", "hidden_size", "mlp_hidden_dim"))
     if reason:
         return reason
     linear2 = getattr(getattr(block, "linear2", None), "weight", None)
