@@ -383,6 +383,17 @@ def probe_heads(module, heads: str, head_dim: str, stream=None, norms: Sequence[
     return (None, None, reason) if reason else (count, dim, None)
 
 
+def probe_linear(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
+    """Why `module`'s layer `name` (an attribute path) is not a Linear-shaped layer (a 2-D weight) to
+    `out_features` features (from `in_features`, where given), or None."""
+    weight = getattr(attribute(module, name), "weight", None)
+    if weight is None or weight.dim() != 2 or weight.shape[0] != out_features or \
+            (in_features is not None and weight.shape[1] != in_features):
+        source = "" if in_features is None else f" from {in_features}"
+        return f"{name} is not a Linear{source} to {out_features} features"
+    return None
+
+
 def probe_norms(module, names: Sequence[str], channels: int) -> Optional[str]:
     """Why one of `module`'s norms `names` (attribute paths) is not an RMSNorm over `channels`, or None."""
     for name in names:
@@ -432,4 +443,4 @@ def stream_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 __all__ = ["FamilyAdapter", "check_adapter", "unsliceable_projection", "patch_module", "MemoryFactors", "WorkingSet",
            "BlockList", "Family", "first_tokens", "layout", "stream_rows", "TEXT_CHECK_TOKENS", "probe_heads",
-           "probe_norms", "probe_part"]
+           "probe_linear", "probe_norms", "probe_part"]

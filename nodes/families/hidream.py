@@ -32,12 +32,11 @@ import torch
 import comfy.ldm.hidream.model as hidream_model
 
 from .. import compat
-from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend, attribute,
-                        is_rms_norm)
+from ..attention import AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend
 from ..block_parts import SWIGLU, chunk_scale, foreign_part, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
-from .family import TEXT_CHECK_TOKENS, BlockList, Family
+from .family import TEXT_CHECK_TOKENS, BlockList, Family, probe_linear, probe_norms
 from .hidream_moe import add_gated, feed_forward_, is_moe, moe_functions
 
 FAMILY = "HiDream"
@@ -91,13 +90,6 @@ def _head_dim(attn) -> int:
 
 
 # --- probes -------------------------------------------------------------------------------------------------
-def _linear_out(module, name: str, features: int, inputs: int) -> Optional[str]:
-    weight = getattr(attribute(module, name), "weight", None)
-    if weight is None or weight.dim() != 2 or tuple(weight.shape) != (features, inputs):
-        return f"{name} is not a Linear from {inputs} to {features} features"
-    return None
-
-
 def probe_attention(attn) -> Optional[str]:
     """None when a `HiDreamAttention` has the structure the pack's forward uses."""
     heads, inner = getattr(attn, "heads", None), getattr(attn, "inner_dim", None)
@@ -111,12 +103,11 @@ def probe_attention(attn) -> Optional[str]:
     reason = form.probe(attn, heads, _head_dim(attn))
     if reason:
         return reason
-    for stream in form.streams:
-        for name in (stream.norm_q, stream.norm_k):
-            if not is_rms_norm(attribute(attn, name), inner):
-                return f"{name} is not an RMSNorm over {inner} channels"
+    reason = probe_norms(attn, [name for stream in form.streams for name in (stream.norm_q, stream.norm_k)], inner)
+    if reason:
+        return reason
     for name in ("to_out",) if attn.single else ("to_out", "to_out_t"):
-        reason = _linear_out(attn, name, attn.out_dim, inner)
+        reason = probe_linear(attn, name, attn.out_dim, inner)
         if reason:
             return reason
     return None

@@ -32,7 +32,7 @@ from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_l
                           run_modulated_layer_norm)
 from ..comfy_ops import chunk_tokens, module_attr, token_ranges
 from . import measured
-from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout
+from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, probe_linear
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
@@ -66,13 +66,6 @@ SPEC = Family(FAMILY, "qwen_image", (BlockList("transformer_blocks", cls=qwen_mo
 
 
 # --- probes -------------------------------------------------------------------------------------------------
-def _linear_out(module, name: str, features: int) -> Optional[str]:
-    weight = getattr(attribute(module, name), "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[0] != features:
-        return f"{name} is not a Linear with {features} outputs"
-    return None
-
-
 def _no_dropout(module, name: str) -> Optional[str]:
     layer = attribute(module, name)
     if not isinstance(layer, torch.nn.Dropout) or (layer.p != 0 and layer.training):
@@ -93,8 +86,8 @@ def probe_attention(attn) -> Optional[str]:
     to_out = getattr(attn, "to_out", None)
     if not isinstance(to_out, torch.nn.ModuleList) or len(to_out) != 2:
         return "to_out is not [Linear, Dropout]"
-    return _no_dropout(attn, "to_out.1") or _linear_out(attn, "to_out.0", attn.out_dim) or \
-        _linear_out(attn, "to_add_out", attn.out_context_dim)
+    return _no_dropout(attn, "to_out.1") or probe_linear(attn, "to_out.0", attn.out_dim) or \
+        probe_linear(attn, "to_add_out", attn.out_context_dim)
 
 
 def feed_forward_layers(mlp) -> Optional[torch.nn.Sequential]:
@@ -140,7 +133,7 @@ def probe_block(block) -> Optional[str]:
         return "the attention's width is not the block's"
     for name in ("img_mod", "txt_mod"):
         mod = getattr(block, name, None)
-        if not isinstance(mod, torch.nn.Sequential) or len(mod) != 2 or _linear_out(mod, "1", 6 * width):
+        if not isinstance(mod, torch.nn.Sequential) or len(mod) != 2 or probe_linear(mod, "1", 6 * width):
             return f"{name} is not SiLU, Linear to 6 x width"
     for name in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"):
         if getattr(block, name, None) is None:

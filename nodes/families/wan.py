@@ -27,19 +27,10 @@ from ..block_parts import foreign_part, mlp_residual_, modulated_layer_norm, out
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, token_ranges
 from ..dispatch import attend_group, attention_kwargs
 from . import measured
-from .family import BlockList, Family
+from .family import BlockList, Family, probe_linear
 
 FAMILY = "Wan"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("wan")
-
-
-def _linear_shape(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
-    linear = getattr(module, name, None)
-    weight = getattr(linear, "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[0] != out_features or \
-            (in_features is not None and weight.shape[1] != in_features):
-        return f"{name} is not a Linear with {out_features} outputs"
-    return None
 
 
 def _norm_ok(module, name: str, dim: int) -> Optional[str]:
@@ -61,13 +52,13 @@ def probe_attention(module, kind: str) -> Optional[str]:
         return "no num_heads/head_dim"
     dim = heads * head_dim
     for name in ("q", "k", "v", "o"):
-        reason = _linear_shape(module, name, dim)
+        reason = probe_linear(module, name, dim)
         if reason:
             return reason
     names = ["norm_q", "norm_k"] + (["norm_k_img"] if kind == "WanI2VCrossAttention" else [])
     if kind == "WanI2VCrossAttention":
         for name in ("k_img", "v_img"):
-            reason = _linear_shape(module, name, dim)
+            reason = probe_linear(module, name, dim)
             if reason:
                 return reason
     for name in names:
@@ -89,8 +80,8 @@ def probe_block(block, kind: str = "WanAttentionBlock") -> Optional[str]:
     ffn = getattr(block, "ffn", None)
     if not (isinstance(ffn, torch.nn.Sequential) and len(ffn) == 3 and isinstance(ffn[1], torch.nn.GELU)):
         return "ffn is not Linear, GELU, Linear"
-    if _linear_shape(ffn, "0", ffn[0].weight.shape[0] if hasattr(ffn[0], "weight") else -1, dim) or \
-            _linear_shape(ffn, "2", dim):
+    if probe_linear(ffn, "0", ffn[0].weight.shape[0] if hasattr(ffn[0], "weight") else -1, dim) or \
+            probe_linear(ffn, "2", dim):
         return "ffn shapes do not match the width"
     modulation = getattr(block, "modulation", None)
     if modulation is None or tuple(modulation.shape) != (1, 6, dim):
