@@ -34,8 +34,8 @@ def _qkv_core_defaults():
     import qkv_core as qc
     qc.reset_notices()
     yield
-    qc.set_head_split_level(3)
-    qc.set_attention_backend("auto")
+    qc.head_split.set_head_split_level(3)
+    qc.backends.set_attention_backend("auto")
     qc.reset_notices()
 
 

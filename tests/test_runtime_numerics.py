@@ -113,8 +113,8 @@ def make_prefix(kind, batch, kv_heads, tokens=64, seed=11, dtype=torch.float32):
         assert prefix.k.dtype == torch.int8 and not prefix.is_native
         return prefix, qc.dequantize_prefix(prefix, torch.float32)
     if kind == "q8_wrap":  # an archive's q8 tensors, 3-D (no batch)
-        kq, ks = qc.quantize_q8(k[:1])
-        vq, vs = qc.quantize_q8(v[:1])
+        kq, ks = qc.q8.quantize_q8(k[:1])
+        vq, vs = qc.q8.quantize_q8(v[:1])
         prefix = qc.q8_prefix(kq[0], ks[0], vq[0], vs[0])
         return prefix, qc.dequantize_prefix(prefix, torch.float32)
     if kind == "layer":
@@ -211,8 +211,8 @@ def test_global_level_and_names():
         return torch.zeros(qkv[0].shape)
 
     for level in ("off", "Low", "MEDIUM", "high"):
-        qc.set_head_split_level(level)
-        assert qc.get_head_split_level() == qc.parse_level(level)
+        qc.head_split.set_head_split_level(level)
+        assert qc.head_split.get_head_split_level() == qc.parse_level(level)
         rec = Recorder()
         qc.qkv_attention([x], qp, kp, vp, H, D, rec, split_heads=None, attention_fn=zeros)
         counts[level] = rec.count()
@@ -220,7 +220,7 @@ def test_global_level_and_names():
     rec = Recorder()
     qc.qkv_attention([x], qp, kp, vp, H, D, rec, split_heads=False, attention_fn=zeros)
     assert rec.count() == 1
-    qc.set_head_split_level(0)
+    qc.head_split.set_head_split_level(0)
     rec = Recorder()
     qc.qkv_attention([x], qp, kp, vp, H, D, rec, head_split_level="high", attention_fn=zeros)  # per call
     assert rec.count() == 8
@@ -588,26 +588,26 @@ def test_group_count_rule(monkeypatch):
     assert qc.group_count(1, 10 ** 6, 3) == 1
     assert qc.group_count(40, 8191, 3) == 1               # the 8192-token floor
     assert qc.group_count(40, 8192, "high") == 20
-    qc.set_head_split_level(1)
+    qc.head_split.set_head_split_level(1)
     assert qc.group_count(40, 10 ** 5) == 4               # the global level
     with pytest.raises(ValueError, match="head_split_level must be 0-3"):
         qc.group_count(8, 8192, 4)
 
 
 def test_head_groups():
-    groups = qc.head_groups(8, 2, 2)
+    groups = qc.head_split.head_groups(8, 2, 2)
     assert [(g.q, g.kv, g.mean_squares) for g in groups] == [(range(0, 4), range(0, 1), None),
                                                               (range(4, 8), range(1, 2), None)]
-    assert [g.q for g in qc.head_groups(6)] == [range(0, 6)]
-    groups = qc.head_groups(40, 40, 20)
+    assert [g.q for g in qc.head_split.head_groups(6)] == [range(0, 6)]
+    groups = qc.head_split.head_groups(40, 40, 20)
     assert len(groups) == 20 and groups[-1].q == range(38, 40) and groups[-1].kv == range(38, 40)
     # query head i uses key/value head i // (heads // kv_heads): every group holds whole kv heads
-    for g in qc.head_groups(16, 4, 4):
+    for g in qc.head_split.head_groups(16, 4, 4):
         assert {i // 4 for i in g.q} == set(g.kv)
     with pytest.raises(ValueError, match="must be a multiple of kv_heads"):
-        qc.head_groups(8, 3)
+        qc.head_split.head_groups(8, 3)
     with pytest.raises(ValueError, match="must divide kv_heads"):
-        qc.head_groups(8, 4, 3)
+        qc.head_split.head_groups(8, 4, 3)
     assert qc.HeadGroup(range(1), range(1)).mean_squares is None
 
 
