@@ -12,6 +12,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import fast_paths
+
 
 def _as_items(t: torch.Tensor) -> torch.Tensor:
     """`(batch, tokens, features)`: `t` itself, or a `(tokens, features)` tensor as one batch item (a view)."""
@@ -138,7 +140,7 @@ class WeightRows(PreparedProjection):
         `(batch, tokens, in)` or `(tokens, in)`; `out`'s rows of each batch item are contiguous (its items may be
         apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
         it."""
-        if self._weight_t is None:
+        if self._weight_t is None or not fast_paths.on("weight_views"):
             self._items = _as_items(self.x)
             self._item = self._items[0] if self._items.shape[0] == 1 else None
             self._weight_t = self.weight.t()
