@@ -51,7 +51,7 @@ def _apply(spec: str, names: Iterable[str], warn: bool) -> None:
         name, value = (entry[1:], False) if entry.startswith("-") else (entry, True)
         if name in names:
             _on[name] = value
-        elif warn and name not in FAST_PATHS:
+        elif warn:
             # a name declared later (outside qkv_core) takes the value when it is declared
             logging.getLogger("qkv_core").info("[QKV] QKV_FAST_PATHS: %r is not a fast path (yet): %s", name,
                                               ", ".join(FAST_PATHS))
