@@ -3,6 +3,7 @@ against the pack's bounded forward (High, block bounds), peak memory and time in
 
     python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--level high]
                                                           [--split-floor N] [--chain N] [--json FILE]
+                                                          [--fast-paths-ab [--fast-paths none,each]]
 
 Loaded by `benchmarks/bench.py` inside the package it makes for the pack (see `load_pack_module`), so the
 adapters' relative imports resolve. Peaks are the working set above the live inputs and weights
@@ -11,7 +12,8 @@ adapters' relative imports resolve. Peaks are the working set above the live inp
 difference relative to stock's largest value; "moved", the share of tokens moved by over 5% of their norm; for
 blocks that route tokens to experts (HiDream), "rerouted", the tokens whose error is over `REROUTED_FACTOR` x the
 median nonzero token error (other experts than stock's: a tie crossed by round-off), and "rest diff", "diff"
-over the other tokens. Not part of the node pack.
+over the other tokens. With `--fast-paths-ab`, each case's pack forward is timed with the host-time fast paths on,
+off and each one off instead (`benchmarks/fast_paths_ab.py`). Not part of the node pack.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..nodes.families import flux, hidream, qwen_image
+from ..nodes.families import flux, hidream, qwen_image, wan
 from ..nodes.dispatch import QKVConfig, family_config
 from ..qkv_core import parse_level
+from . import fast_paths_ab as ab
 from . import memory
 
 
@@ -168,6 +171,22 @@ def hidream_case(side_tokens: int, text_tokens: int = 384, width=2560, heads=20)
     return build
 
 
+def wan_case(grid: tuple):
+    """ComfyUI's Wan 2.x 14B `WanAttentionBlock` (`benchmarks/wan_block.py`) on a latent grid (t, h, w) of a
+    video, a 512-token prompt, as `WanModel` calls it."""
+    def build(device, dtype):
+        from .wan_block import TEXT_TOKENS, WIDTH, build_block, rope_freqs
+        block = build_block(device, dtype, 0)
+        tokens = grid[0] * grid[1] * grid[2]
+        g = torch.Generator(device="cpu").manual_seed(1)
+        x = torch.randn(1, tokens, WIDTH, generator=g).to(device=device, dtype=dtype)
+        e = (torch.randn(1, 1, 6, WIDTH, generator=g) * 0.1).to(device=device, dtype=dtype)
+        context = torch.randn(1, TEXT_TOKENS, WIDTH, generator=g).to(device=device, dtype=dtype)
+        inputs = dict(x=x, e=e, freqs=rope_freqs(grid, tokens, device, dtype), context=context)
+        return block, inputs, "x", wan.bounded_block_forward
+    return build
+
+
 HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
 CASES = {case.name: case for case in (
     Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
@@ -193,6 +212,10 @@ CASES = {case.name: case for case in (
          routed=True),
     Case("hidream-double-2048", "HiDream-I1 double block, 2048^2 (16,384 image + 384 text tokens)", hidream_case(128),
          routed=True),
+    # Wan 2.x 14B, 81 frames (21 latent frames): 480p and 720p, as a whole model runs each of its 40 blocks
+    Case("wan-block-480p", "Wan 2.x 14B block, 832x480 x 81 frames (32,760 tokens + 512 text)", wan_case((21, 30, 52))),
+    Case("wan-block-720p", "Wan 2.x 14B block, 1280x720 x 81 frames (75,600 tokens + 512 text)",
+         wan_case((21, 45, 80))),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",
@@ -215,6 +238,23 @@ def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
+def pack_forward(block, factory, backend: str, level: int, split_floor: Optional[int]):
+    """The pack's forward of `block` at `level` with block bounds, with the family's split floor as the node
+    applies it (Flux and Qwen-Image split from 12,288 tokens an item), or `split_floor`."""
+    config = family_config(QKVConfig(level=level, backend=backend, block=True), sys.modules[factory.__module__])
+    if split_floor is not None:
+        config = config._replace(split_floor=split_floor)
+    return factory(block, config)
+
+
+def timed_ms(fn, inputs: dict, chain: int, repeats: int, device) -> float:
+    """ms a call of `fn` on fresh copies of `inputs`, `chain` calls back to back in each timed run."""
+    timing = memory.time_call(lambda calls: _run_all(fn, calls),
+                              setup=lambda: ([_fresh(inputs) for _ in range(chain)],), warmup=1, repeats=repeats,
+                              device=device)
+    return timing.median_s * 1000 / chain
+
+
 def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int = 3,
              split_floor: Optional[int] = None, chain: int = 1) -> dict:
     """Stock against the pack at `level` with block bounds. `split_floor`: the fewest tokens of one item that
@@ -223,11 +263,7 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int =
     overlap the GPU's work of the one before), and the time is per call; 1: one call and its end."""
     block, inputs, main, factory = case.build(device, dtype)
     x_bytes = inputs[main].numel() * inputs[main].element_size()
-    # the family's split floor, as the node applies it (Flux and Qwen-Image split from 12,288 tokens an item)
-    config = family_config(QKVConfig(level=level, backend=backend, block=True), sys.modules[factory.__module__])
-    if split_floor is not None:
-        config = config._replace(split_floor=split_floor)
-    ours = factory(block, config)
+    ours = pack_forward(block, factory, backend, level, split_floor)
     row = {"case": case.name, "what": case.what, "x_GiB": x_bytes / 2**30}
     results = {}
     with torch.no_grad():
@@ -235,11 +271,8 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int =
         for label, fn in (("stock", block), ("pack", ours)):
             peak = memory.measure_peak(fn, **_fresh(inputs), device=device, live=[block, list(inputs.values())])
             results[label] = _first(peak.result).float()
-            timing = memory.time_call(lambda calls, fn=fn: _run_all(fn, calls),
-                                      setup=lambda: ([_fresh(inputs) for _ in range(chain)],), warmup=1,
-                                      repeats=repeats, device=device)
             row[f"{label}_peak_x"] = peak.peak_bytes / x_bytes
-            row[f"{label}_ms"] = timing.median_s * 1000 / chain
+            row[f"{label}_ms"] = timed_ms(fn, inputs, chain, repeats, device)
             del peak
     row["time_ratio"] = row["pack_ms"] / row["stock_ms"]
     row["max_rel_diff"] = float((results["pack"] - results["stock"]).abs().max() / results["stock"].abs().max())
@@ -256,6 +289,24 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int =
     return row
 
 
+def fast_paths_case(case: Case, device, dtype, backend: str, repeats: int, level: int, split_floor: Optional[int],
+                    chain: int, spec: str, rounds: int) -> dict:
+    """The pack's forward of `case` timed with the fast paths of each variant of `spec` (`fast_paths_ab`), and
+    stock's once beside them."""
+    block, inputs, _, factory = case.build(device, dtype)
+    ours = pack_forward(block, factory, backend, level, split_floor)
+    with torch.no_grad():
+        ours(**_fresh(inputs))   # the self-check, once, outside the measurement
+        stock_ms = timed_ms(block, inputs, chain, repeats, device)
+        times = ab.interleaved(lambda: timed_ms(ours, inputs, chain, repeats, device) / 1000, ab.variants(spec),
+                               rounds)
+    inputs.clear()
+    del block, ours
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"case": case.name, "what": case.what, "stock_ms": stock_ms, "chain": chain, "rows": ab.rows(times)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench --comfyui PATH --families")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
@@ -270,15 +321,20 @@ def main(argv=None) -> int:
                         help="calls back to back in each timed run, as a model runs its blocks (default 1: "
                              "each call timed to its end on its own); the time is per call")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    ab.add_arguments(parser)
     args = parser.parse_args(argv)
     level = parse_level(int(args.level) if args.level.strip().isdigit() else args.level)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = args.cases.split(",")
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; the cases are {', '.join(CASES)}")
+    if args.fast_paths_ab:
+        return main_fast_paths(args, names, level, device)
     rows = []
     print(f"{'case':26} {'stock x|x|':>10} {'pack x|x|':>10} {'stock ms':>9} {'pack ms':>9} {'time':>6} {'diff':>8} "
           f"{'moved':>7} {'rerouted':>8} {'rest diff':>9}")
-    for name in args.cases.split(","):
-        if name not in CASES:
-            raise SystemExit(f"unknown case {name!r}; the cases are {', '.join(CASES)}")
+    for name in names:
         row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor,
                        max(1, args.chain))
         rows.append(row)
@@ -292,6 +348,23 @@ def main(argv=None) -> int:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
                        else None, "backend": args.backend, "level": level, "split_floor": args.split_floor, "chain": args.chain,
                        "rows": rows}, f, indent=1)
+    return 0
+
+
+def main_fast_paths(args, names: list, level: int, device) -> int:
+    """`--fast-paths-ab`: a table a case (ms a call of the pack's forward under each variant), stock's beside."""
+    results = []
+    for name in names:
+        result = fast_paths_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level,
+                                 args.split_floor, max(1, args.chain), args.fast_paths, args.ab_rounds)
+        results.append(result)
+        print(ab.table(f"{name}: pack ms a call ({result['chain']} back to back), stock {result['stock_ms']:.2f} ms",
+                       result["rows"]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor,
+                       "fast_paths_ab": results}, f, indent=1)
     return 0
 
 

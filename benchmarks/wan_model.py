@@ -22,6 +22,10 @@ What it does, per weight format (one process, the state dict made once):
   not fit). A probe stops after the first model call of the first step: every later call repeats its shapes
   and ComfyUI's loaded weights, so its peak is the run's.
 
+`--fast-paths-ab`: the pack's seconds per step with every host-time fast path on, with none (`--fast-paths`
+for others: each one off, `-NAME`), in turns on the first card and negative (`benchmarks/fast_paths_ab.py`);
+stock is not run.
+
 The pack's first run in a process plans with ComfyUI's own estimate (its forwards are not verified yet); a
 user's later runs plan with the measured factor. The benchmark does one small warm-up run of the pack first,
 so that the runs it reports are those later runs. Dynamic VRAM (ComfyUI v0.33's default loader) is off
@@ -48,6 +52,7 @@ from ..nodes.compat import all_checked, forget_verdicts
 from ..nodes.patching import apply_patch
 from ..nodes.families.wan import stock_functions
 from ..nodes.report import logger
+from . import fast_paths_ab as ab
 from .wan_block import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
                         random_like)
 
@@ -283,6 +288,25 @@ def search_frames(fits, first: int, step: int, most: int):
     return None
 
 
+def fast_paths_runs(patched, fmt: str, card: float, negative: str, size, config: dict, args, default_reserve,
+                    cuda: bool, emit) -> None:
+    """`--fast-paths-ab`: the pack's seconds per step under each variant of `--fast-paths`, in turns."""
+    if cuda:
+        plan_for_card(card, default_reserve)
+
+    def step_seconds() -> float:
+        record = sample_once(patched, args.frames, size, args.steps, args.cfg, False, config["text_dim"],
+                             negative_kind=negative)
+        if "s_per_step" not in record:
+            raise SystemExit(f"[{fmt}] --fast-paths-ab: the run did not sample: {record.get('error', record)}")
+        return record["s_per_step"]
+    rows = ab.rows(ab.interleaved(step_seconds, ab.variants(args.fast_paths), args.ab_rounds))
+    print(ab.table(f"[{fmt}] pack, {args.frames} frames {args.size}, {card:g} GiB card, negative {negative}: ms a "
+                   f"step ({args.steps} steps a run, the first not timed when there are more)", rows), flush=True)
+    emit({"format": fmt, "card_gib": card, "negative": negative, "frames": args.frames, "size": args.size,
+          "steps": args.steps, "fast_paths_ab": rows})
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench --comfyui PATH --whole-model",
                                      description=__doc__.split("\n")[0])
@@ -313,6 +337,7 @@ def main(argv=None) -> int:
                         help="a city96/ComfyUI-GGUF checkout, for gguf_q8_0 (default: $COMFYUI_GGUF_PATH)")
     parser.add_argument("--json", default=None, help="also write the records to this file (JSON lines)")
     parser.add_argument("--device", default=None)
+    ab.add_arguments(parser, spec="none", rounds=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")   # ComfyUI's loading lines and the pack's
     logging.getLogger().setLevel(logging.INFO)
@@ -372,6 +397,10 @@ def main(argv=None) -> int:
                 print(f"[{fmt}] pack warm-up, negative {negative} (self-check): {warm['wall_s']:.1f} s; "
                       f"{'every check passed' if all_checked(stock_functions(base.model.diffusion_model)) else 'a check failed'}",
                       flush=True)
+            if args.fast_paths_ab:
+                fast_paths_runs(patched, fmt, format_cards.get(fmt, cards)[0], negative, size, config, args,
+                                default_reserve, cuda, emit)
+                break   # the first negative only: each variant's run is a whole sampling run
             for card in ([] if args.search_only else format_cards.get(fmt, cards)):
                 if cuda:
                     plan_for_card(card, default_reserve)

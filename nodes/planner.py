@@ -11,7 +11,7 @@ import torch
 
 from types import SimpleNamespace
 
-from ..qkv_core import resolve_backend
+from ..qkv_core.backends import resolve_backend
 from ..qkv_core.runtime import attends_over_queries
 from .dispatch import AUTO, LEVELS, QKVConfig, family_config, uses_comfy_dispatch
 from .report import size

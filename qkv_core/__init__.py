@@ -1,37 +1,47 @@
 """qkv_core: q/k/v projection and attention by groups of heads, with bounded transients.
 
 A model calls the runtime instead of projecting q/k/v itself and calling attention; owning the projections
-lets the runtime bound the memory they take. See docs/design.md §2 and README.md. Never imports ComfyUI.
+lets the runtime bound the memory they take (docs/design.md §2). Never imports ComfyUI.
+
+The public API is what the node pack and a model author use; everything else is reached through its module
+(`qkv_core.head_split`, `qkv_core.backends`, `qkv_core.kernels`, ...) and may change with it.
+
+- the calls: `qkv_attention`, `joint_qkv_attention`, `cross_qkv_attention`, `kv_first_attention`,
+  `ulysses_qkv_attention` (sequence-parallel), and `rows_` for a norm or RoPE written in PyTorch; their options:
+  `AttentionOptions`;
+- what the calls hand to the caller's hooks: `HeadGroup` (to `norm_rope`, `norm_v`, `attention_fn`),
+  `StagedCore` (to `fused_quant`);
+- the head split: `split_plan` (and its `SplitPlan`), `group_count`, `parse_level`, `LEVEL_NAMES`
+  (the level names, 0-3 in order), `SPLIT_FLOOR_TOKENS` (the fewest query tokens of one batch item that are
+  split by default);
+- projections by rows: `RowProjection`, `PreparedProjection`, `WeightRows`, `RowsOnDemand`, `WholeProjection`,
+  `FusedRows`;
+- backends: `pay_attention`, `backend_names`, `native_prefix_kit`;
+- key/value prefixes: `KVPrefix`, `cache_prefix`, `q8_prefix`, `dequantize_prefix`, `PrefixCache`,
+  `PrefixLayer`;
+- what a run did: `drain_notices`, `reset_notices`, `drain_tally`, `Tally`.
 """
-from .backends import (AttentionBackend, StagedCore, available_backends, backend_names, get_attention_backend,
-                       native_prefix_kit, pay_attention, register_backend, resolve_backend, set_attention_backend,
-                       unregister_backend)
-from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, TARGET_GROUPS, HeadGroup, SplitPlan, SplitPolicy,
-                         group_count, head_groups, parse_level, split_plan)
+from .backends import backend_names, native_prefix_kit, pay_attention
+from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, HeadGroup, SplitPlan, SplitPolicy, group_count,
+                         parse_level, split_plan)
 from .notices import drain_notices, reset_notices
 from .options import AttentionOptions
 from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize_prefix, q8_prefix
-from .projections import (FusedRows, LinearRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows,
-                          WholeProjection, as_row_projection)
-from .q8 import dequantize_q8, dequantize_q8_into, merge_lse_, quantize_q8
-from .tally import Tally, drain_tally
+from .projections import FusedRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows, WholeProjection
 from .runtime import cross_qkv_attention, joint_qkv_attention, kv_first_attention, qkv_attention, rows_
 from .sequence_parallel import ulysses_qkv_attention
+from .staged_core import StagedCore
+from .tally import Tally, drain_tally
 
 __version__ = "0.2.0"
 
 __all__ = [
     "qkv_attention", "joint_qkv_attention", "cross_qkv_attention", "kv_first_attention", "rows_",
     "ulysses_qkv_attention",
-    "AttentionOptions",
-    "HeadGroup", "head_groups", "group_count", "split_plan", "SplitPlan", "SplitPolicy", "parse_level",
-    "LEVEL_NAMES", "TARGET_GROUPS", "SPLIT_FLOOR_TOKENS",
-    "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "LinearRows", "WholeProjection",
-    "FusedRows", "as_row_projection",
-    "AttentionBackend", "StagedCore", "pay_attention", "resolve_backend", "register_backend",
-    "unregister_backend", "backend_names", "available_backends", "set_attention_backend",
-    "get_attention_backend", "native_prefix_kit",
-    "quantize_q8", "dequantize_q8", "dequantize_q8_into", "merge_lse_",
-    "KVPrefix", "q8_prefix", "cache_prefix", "dequantize_prefix", "PrefixLayer", "PrefixCache",
+    "AttentionOptions", "HeadGroup", "StagedCore",
+    "split_plan", "SplitPlan", "SplitPolicy", "group_count", "parse_level", "LEVEL_NAMES", "SPLIT_FLOOR_TOKENS",
+    "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "WholeProjection", "FusedRows",
+    "pay_attention", "backend_names", "native_prefix_kit",
+    "KVPrefix", "cache_prefix", "q8_prefix", "dequantize_prefix", "PrefixCache", "PrefixLayer",
     "drain_notices", "reset_notices", "drain_tally", "Tally",
 ]

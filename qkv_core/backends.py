@@ -266,8 +266,13 @@ class SageBackend(AttentionBackend):
 
 
 def native_prefix_kit() -> Optional[StagedCore]:
-    """The staged core that keeps native prefixes here (`cache_prefix(..., kit=native_prefix_kit())`): SageAttention
-    2's when it is installed, else None (prefixes are then cached as q8)."""
+    """The staged core that keeps native prefixes in this process, for ``cache_prefix(..., kit=...)``.
+
+    Returns
+    -------
+    StagedCore or None
+        SageAttention 2's core where it is installed, else None (`cache_prefix` then keeps q8).
+    """
     backend = _REGISTRY.get("sage")
     core = backend.staged_core if backend is not None else None
     return core if core is not None and hasattr(core, "cache_native_prefix") else None
@@ -303,7 +308,13 @@ register_backend(FlashBackend(), before="sdpa")
 
 
 def backend_names() -> list[str]:
-    """Every known backend, best first (also those not installed)."""
+    """The names of every known backend, best first, those not installed included.
+
+    Returns
+    -------
+    list of str
+        A new list; each name is a valid `force_attention`, besides "auto".
+    """
     return list(_FALLBACK_ORDER)
 
 
@@ -404,9 +415,32 @@ def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Opt
 
 def pay_attention(q, k, v, mask=None, force_attention: Optional[str] = None, softmax_scale=None
                   ) -> torch.Tensor:
-    """Attention of q `(B, Nq, H, D)` over k, v `(B, Nk, Hkv, D)` -> `(B, Nq, H, D)`.
+    """Attention on the first backend that can take the call (the forced one, or "auto"'s choice), with a
+    one-time notice for each backend passed over.
 
-    `mask` broadcasts to `(B, H, Nq, Nk)`: boolean (True attends) or additive float.
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, Nq, H, D)``, strided views allowed.
+    k, v : torch.Tensor
+        ``(B, Nk, Hkv, D)`` in q's dtype and device, ``H`` a multiple of ``Hkv``. Read, not freed: the caller
+        drops its references after the call.
+    mask : torch.Tensor, optional
+        Broadcasts to ``(B, H, Nq, Nk)``: boolean (True attends) or additive float.
+    force_attention : str, optional
+        A backend name (`backend_names`) or "auto" (default: the process's choice, "auto").
+    softmax_scale : float, optional
+        Default ``1 / sqrt(D)``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, Nq, H, D)`` in q's dtype: a new tensor (or a view of one) the caller owns.
+
+    Raises
+    ------
+    ValueError
+        An unknown backend name.
     """
     backend = resolve_backend(q, k, v, mask, softmax_scale, force_attention)
     count_attention(backend.name)

@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from . import fast_paths
 from .backends import AttentionBackend, SDPABackend, StagedCore, held_sdpa_order, pay_attention
 from .head_split import HeadGroup
-from .inplace_attention import OverQueriesPass, over_queries_pass
+from .inplace_attention import over_queries_pass
 from .options import AttentionOptions
 from .capture import KVCapture
 from .prefix import KVPrefix
@@ -59,8 +60,6 @@ class GroupLoop:
         # each group's attention written over its q in the output buffer (`inplace_attention`): the call decides it
         # (`_Call.over_queries`: plain SDPA, no mask, short), the kernel may still decline a group (then SDPA)
         self.over_queries = over_queries
-        # the kernel's launch, worked out at the first group and kept for the next groups of its layout
-        self._over_queries_pass: Optional[OverQueriesPass] = None
         self.capture = capture   # `capture_kv`: each group's normalized keys and values of the range
         s = streams
         self.output_shape = (s.batch, s.q_tokens, s.heads, s.head_dim)
@@ -85,10 +84,11 @@ class GroupLoop:
         # each group's k and v go to the norm and a backend, which keep neither once their work is queued: the
         # next group may project into the same buffers (`CallStreams.buffers`); not where a caller's function,
         # a capture or a staged core gets them
-        reuse = staged is None and self.o.attention_fn is None and self.capture is None and len(groups) > 1
+        reuse = staged is None and self.o.attention_fn is None and self.capture is None and len(groups) > 1 and \
+            fast_paths.on("group_buffers")
         with contextlib.ExitStack() as held:
             if staged is None and self.o.attention_fn is None and len(groups) > 1 and \
-                    isinstance(self.backend, SDPABackend) and not self.over_queries:
+                    isinstance(self.backend, SDPABackend) and not self.over_queries and fast_paths.on("sdpa_order"):
                 held.enter_context(held_sdpa_order(s.device, s.batch * s.q_tokens * len(groups[0].q) * s.head_dim))
             s.buffers = {} if reuse else None
             try:
@@ -119,7 +119,7 @@ class GroupLoop:
         where the norm offers it (`norm_rope.query_all_heads_(q)`: a norm and a RoPE that treat each head
         alike, in one fused pass per stream with no scratch): one launch per stream instead of one per group
         and stream, the same math. False when it does not (each group's q is normalized as before)."""
-        whole = getattr(self.norm_rope, "query_all_heads_", None)
+        whole = getattr(self.norm_rope, "query_all_heads_", None) if fast_paths.on("all_heads_q") else None
         return bool(whole is not None and whole(out))
 
     def values(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
@@ -184,13 +184,11 @@ class GroupLoop:
         return result
 
     def attend_over_queries_(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """`inplace_attention.attend_over_queries_` with the launch worked out once for the call's groups of
-        one layout (`OverQueriesPass`); False (q untouched) where the kernel cannot take them."""
-        planned = self._over_queries_pass
-        if planned is None or not planned.fits(q, k, v):
-            planned = self._over_queries_pass = over_queries_pass(q, k, v, self.o.softmax_scale)
-            if planned is None:
-                return False
+        """`inplace_attention.attend_over_queries_` through the pass kept for the groups' layout
+        (`over_queries_pass`); False (q untouched) where the kernel cannot take them."""
+        planned = over_queries_pass(q, k, v, self.o.softmax_scale)
+        if planned is None:
+            return False
         planned.run(q, k, v)
         return True
 

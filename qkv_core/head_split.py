@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional, Union
 
+#: The Head Split levels' names, level 0-3 in order (`parse_level` takes either).
 LEVEL_NAMES = ("off", "low", "medium", "high")
 TARGET_GROUPS = (1, 4, 8, 16)
+#: The fewest query tokens of one batch item that are split, unless a call passes `split_floor_tokens`.
 SPLIT_FLOOR_TOKENS = 8192
 DEFAULT_LEVEL = 3   # High: a call that names no level
 # A split whose groups are attended over their queries (`inplace_attention`: short SDPA calls, see
@@ -28,12 +30,23 @@ Level = Union[int, str]
 
 
 class HeadGroup(NamedTuple):
-    """One group of heads. `q`, `kv`: ranges of query and key/value head indices. `mean_squares`: None, or
-    `(q_mean_squares, k_mean_squares)`, float32 `(batch, tokens, 1)`, the per-token mean of squares over
-    all heads, for norms that span heads (`norm_spans_heads=True` with more than one group). `tokens`: None
-    when the tensors a norm is handed hold every token of the call; else the range of the call's tokens they
-    hold (a call that reuses its input normalizes token chunks of every head, `reuse_input`, with no
-    `mean_squares`: the chunks hold every head, so a norm that spans heads takes each token's from them)."""
+    """One group of heads, as the runtime hands it to `norm_rope`, `norm_v`, `attention_fn` and `fused_quant`.
+
+    Attributes
+    ----------
+    q : range
+        The query heads of the group (indices into the call's heads).
+    kv : range
+        The key/value heads of the group; query head ``i`` uses key/value head ``i // (heads // kv_heads)``.
+    mean_squares : tuple, optional
+        ``(q mean squares, k mean squares)``, float32 ``(batch, tokens, 1)``: each token's mean of squares over
+        every head, for a norm that spans heads (``norm_spans_heads=True`` with more than one group); else None.
+        Owned by the call: a hook reads them and keeps no reference.
+    tokens : range, optional
+        None when the tensors a hook is handed hold every token of the call; else the call's tokens they hold
+        (a call that reuses its input normalizes token chunks of every head, with no `mean_squares`: a norm
+        that spans heads then takes each token's from the chunk).
+    """
 
     q: range
     kv: range
@@ -42,7 +55,23 @@ class HeadGroup(NamedTuple):
 
 
 def parse_level(level: Level) -> int:
-    """0-3 from an int 0-3 or a name off/low/medium/high (any case); anything else is a ValueError."""
+    """The Head Split level as an int.
+
+    Parameters
+    ----------
+    level : int or str
+        0-3, or one of `LEVEL_NAMES` in any case and with spaces around.
+
+    Returns
+    -------
+    int
+        0 (Off) to 3 (High).
+
+    Raises
+    ------
+    ValueError
+        Anything else (a bool included).
+    """
     if isinstance(level, bool):
         raise ValueError(f"head_split_level must be 0-3 or one of {LEVEL_NAMES}, not {level!r}")
     if isinstance(level, int):
@@ -54,9 +83,18 @@ def parse_level(level: Level) -> int:
 
 
 class SplitPlan(NamedTuple):
-    """How many head groups a call runs in; `reason`: why not more than one (None when it splits); `share`: what a
-    group holds of a plain SDPA group's transients (`OVER_QUERIES_GROUP_SCALE` for groups attended over their
-    queries, else 1)."""
+    """How many head groups a call runs in (`split_plan`).
+
+    Attributes
+    ----------
+    groups : int
+        The count; it divides the call's key/value heads.
+    reason : str, optional
+        Why there is no more than one group (under the floor, level Off, ...); None when the call splits.
+    share : float
+        What a group holds of a plain SDPA group's transients: `OVER_QUERIES_GROUP_SCALE` for groups
+        attended over their queries, else 1.
+    """
 
     groups: int
     reason: Optional[str] = None
@@ -66,14 +104,40 @@ class SplitPlan(NamedTuple):
 def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None,
                split_heads: Optional[bool] = None, unsliceable: Optional[str] = None,
                target_scale: float = 1.0) -> SplitPlan:
-    """The one place that decides the head split, for the runtime's calls and for whoever plans memory
-    around them (the node's memory estimate): `kv_heads` key/value heads, `tokens` query tokens of one batch
-    item (for cross attention the longer of the two sequences; a batch of short sequences is not split: on a
-    GPU a whole model of 1 MP images, cond and uncond batched, ran 3-8x slower split, for ~100 MiB), `level` (default:
-    `DEFAULT_LEVEL`), `floor` (the fewest tokens that are split; default `SPLIT_FLOOR_TOKENS`), `split_heads=False`
-    (the caller's "never"), `unsliceable` (why a projection that would be split cannot be computed by rows),
-    `target_scale` (the level's target count times this: a call whose groups hold fewer transients reaches the
-    level's peak in fewer groups, see `runtime.OVER_QUERIES_GROUP_SCALE`)."""
+    """The head split of a call: the one place that decides it, for the runtime and for whoever plans memory
+    around it (the node's memory estimate and planner).
+
+    The count is the divisor of `kv_heads` closest to the level's target (1, 4, 8, 16; ties: the smaller).
+
+    Parameters
+    ----------
+    kv_heads : int
+        Key/value heads of the call.
+    tokens : int
+        Query tokens of one batch item (cross-attention: the longer of the two sequences). A batch of short
+        sequences is not split: on a GPU a whole model of 1 MP images, cond and uncond batched, ran 3-8x
+        slower split, for ~100 MiB.
+    level : int or str, optional
+        The Head Split level (`parse_level`). Default: High (`DEFAULT_LEVEL`).
+    floor : int, optional
+        The fewest tokens that are split. Default `SPLIT_FLOOR_TOKENS`.
+    split_heads : bool, optional
+        False: the caller's "never".
+    unsliceable : str, optional
+        Why a projection that would be split cannot be computed by rows (then one group, with this reason).
+    target_scale : float
+        The level's target count times this: a call whose groups hold fewer transients reaches the level's
+        peak in fewer groups (`runtime.OVER_QUERIES_GROUP_SCALE`).
+
+    Returns
+    -------
+    SplitPlan
+
+    Raises
+    ------
+    ValueError
+        An unknown `level`.
+    """
     lvl = DEFAULT_LEVEL if level is None else parse_level(level)
     floor = SPLIT_FLOOR_TOKENS if floor is None else floor
     if split_heads is False:
@@ -145,7 +209,22 @@ class SplitPolicy(NamedTuple):
 
 
 def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
-    """Number of head groups for `kv_heads` key/value heads and `tokens` query tokens of one item (`split_plan`'s)."""
+    """The number of head groups `split_plan` gives.
+
+    Parameters
+    ----------
+    kv_heads, tokens, level, floor
+        As in `split_plan`.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    ValueError
+        An unknown `level`.
+    """
     return split_plan(kv_heads, tokens, level, floor).groups
 
 

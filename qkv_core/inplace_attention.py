@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from . import fast_paths
 from .kernels import capability, cdiv, runs_on, triton
 from .launch import kept_across_calls, shared_launch
 
@@ -144,32 +145,25 @@ def cannot_attend_over_queries(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 class OverQueriesPass:
     """`attend_over_queries_` worked out for q, k and v of one layout (shapes, strides, dtype, device) and one
-    softmax scale (`over_queries_pass`): `run(q, k, v)` attends such tensors, so a call's head groups (each
-    group's q a view of the output buffer, its own k and v, all laid out alike) check and set up the launch once.
-    Holds no tensor it ran on."""
+    softmax scale (`over_queries_pass`): `run(q, k, v)` attends such tensors (each group's q a view of the output
+    buffer, its own k and v, all laid out alike). Holds no tensor it ran on."""
 
-    __slots__ = ("_layout", "_fixed", "_launch")
+    __slots__ = ("_fixed", "_launch")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         batch, q_tokens, heads, dim = q.shape
         interpreted = q.device.type == "cpu"
         block_m, block_n, warps, stages = _INTERPRET_CONFIG if interpreted else _CONFIGS[dim]
-        self._layout = _layout(q, k, v)
         self._fixed = (q_tokens, k.shape[1], scale * math.log2(math.e), q.stride(0), q.stride(1), q.stride(2),
                        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), heads)
         meta = dict(GROUP=heads // k.shape[2], DIM=dim, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=interpreted,
                     WHOLE_BLOCKS=k.shape[1] // block_n if interpreted else 0, num_warps=warps, num_stages=stages)
-        # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
-        # launcher (`launch.shared_launch`)
+        # launches after the first of its layout (this call's or an earlier one's) go straight to the launcher
         self._launch = shared_launch(_attention_over_q_kernel, (cdiv(q_tokens, block_m), batch * heads), meta,
                                      (q, k, v) + self._fixed)
 
-    def fits(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Can `run` take these (this pass's layout)?"""
-        return _layout(q, k, v) == self._layout
-
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """softmax(q k^T * scale) v written over `q` (tensors this pass `fits`)."""
+        """softmax(q k^T * scale) v written over `q` (tensors of this pass's layout and alignment)."""
         self._launch.launch((q, k, v) + self._fixed)
 
 
@@ -181,22 +175,22 @@ def _layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
 def over_queries_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       softmax_scale: Optional[float] = None) -> Optional[OverQueriesPass]:
     """The kernel's launch for tensors laid out as q, k, v (see `attend_over_queries_`), or None where
-    `cannot_attend_over_queries` gives a reason."""
-    if cannot_attend_over_queries(q, k, v) is not None:
-        return None
+    `cannot_attend_over_queries` gives a reason. Asked by each head group: the pass of this layout, scale and
+    alignment is worked out once and kept across calls (the fast path `over_queries_pass`; it holds no tensor),
+    the one place it is kept."""
     scale = 1.0 / math.sqrt(q.shape[3]) if softmax_scale is None else float(softmax_scale)
-    # the pass of this layout, scale and alignment from an earlier call where there is one (it holds no tensor):
-    # its arguments are worked out once, not at every call's first group, before the GPU has its first attention
+    if not fast_paths.on("over_queries_pass"):
+        return None if cannot_attend_over_queries(q, k, v) is not None else OverQueriesPass(q, k, v, scale)
     key = (OverQueriesPass, _layout(q, k, v), scale, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16,
            _CONFIGS.get(q.shape[3]), _INTERPRET_CONFIG)
-    return kept_across_calls(key, lambda: OverQueriesPass(q, k, v, scale))
+    return kept_across_calls(key, lambda: None if cannot_attend_over_queries(q, k, v) is not None else
+                             OverQueriesPass(q, k, v, scale))
 
 
 def attend_over_queries_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          softmax_scale: Optional[float] = None) -> bool:
     """softmax(q k^T * scale) v written over `q` `(B, Nq, h, D)`; k, v `(B, Nk, hk, D)`. `softmax_scale`:
-    default 1 / sqrt(D). False (q untouched) where `cannot_attend_over_queries` gives a reason. (A caller with
-    several groups of one layout keeps an `over_queries_pass` instead.)"""
+    default 1 / sqrt(D). False (q untouched) where `cannot_attend_over_queries` gives a reason."""
     planned = over_queries_pass(q, k, v, softmax_scale)
     if planned is None:
         return False

@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from . import fast_paths
 from .launch import kept_across_calls, shared_launch
 
 try:  # Triton is optional: ComfyUI installs on Windows and Macs often have none
@@ -200,7 +201,7 @@ def capability(device: torch.device) -> tuple:
     microseconds of host time, and the kernels' checks ask it at every launch."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     found = _CAPABILITIES.get(index)
-    if found is None:
+    if found is None or not fast_paths.on("capability"):
         found = _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
     return found
 
@@ -293,17 +294,23 @@ class NormRopePass:
     `run(t)` launches it on such a tensor. It keeps the launch's other arguments (weights, RoPE rows, inverse
     RMS: the caller's, for its call) but no reference to a tensor it ran on, so a caller may keep it for the
     next tensor of that layout (each head group's keys): the checks and arguments are worked out once. A pass
-    that writes elsewhere (`into`, `quantize_into`) serves its own tensor only (`fits` is False)."""
+    that writes elsewhere (`into`, `quantize_into`) serves its own tensor only (`fits` is False).
+
+    `args`: the kernel's positional arguments, None in the places (`slots`) of the tensor it runs on; `layout`:
+    that tensor's `(shape, strides, dtype, device)`, or None where it serves its own tensor only; `launch`: the
+    arguments' `launch.shared_launch`. Made by `for_tensor` (and `_PassLayout.bind`)."""
 
     __slots__ = ("_args", "_slots", "_layout", "_launch")
 
-    def __init__(self, t: torch.Tensor, grid: tuple, args: tuple, meta: dict, reusable: bool):
-        self._slots = tuple(index for index, arg in enumerate(args) if arg is t)
-        self._args = tuple(None if arg is t else arg for arg in args)
-        self._layout = (t.shape, t.stride(), t.dtype, t.device) if reusable else None
-        # launches after the first of its layout (this call's or an earlier one's) call the compiled kernel's
-        # launcher (`launch.shared_launch`)
-        self._launch = shared_launch(_norm_rope_kernel, grid, meta, args)
+    def __init__(self, args: tuple, slots: tuple, layout: Optional[tuple], launch):
+        self._args, self._slots, self._layout, self._launch = args, slots, layout, launch
+
+    @classmethod
+    def for_tensor(cls, t: torch.Tensor, args: tuple, launch, reusable: bool) -> "NormRopePass":
+        """The pass of `args` (`t` in its places), for tensors laid out as `t` where `reusable`."""
+        return cls(tuple(None if arg is t else arg for arg in args),
+                   tuple(index for index, arg in enumerate(args) if arg is t),
+                   (t.shape, t.stride(), t.dtype, t.device) if reusable else None, launch)
 
     def fits(self, t: torch.Tensor) -> bool:
         """Can `run(t)` take `t` (this pass's shape, strides, dtype and device)?"""
@@ -315,6 +322,9 @@ class NormRopePass:
         for index in self._slots:
             args[index] = t
         self._launch.launch(args)
+
+
+_TENSOR_ARGS = 7   # `_norm_rope_kernel`'s tensor arguments come first: x, inverse RMS, weights, RoPE, values, scales
 
 
 def _placed(x: Optional[torch.Tensor]) -> Optional[tuple]:
@@ -329,14 +339,14 @@ class _PassLayout:
     viewed. A call's pass of a known layout is then its tensors put in place (`bind`), without the checks
     (host time before a call's first attention: its q pass and first keys' pass)."""
 
-    __slots__ = ("args", "launch", "flat_weight", "flat_weight2", "contiguous_freqs", "declined")
+    __slots__ = ("tail", "launch", "flat_weight", "flat_weight2", "contiguous_freqs", "declined")
 
     def __init__(self, planned: Optional[NormRopePass], weight, weight2, freqs):
         self.declined = planned is None
         if planned is None:
             return
-        # the tensors' places emptied: `bind` fills them with each call's own (nothing of this call is kept)
-        self.args, self.launch = (None,) * 7 + planned._args[7:], planned._launch
+        # the arguments after the tensors: `bind` puts each call's own tensors before them (none of this call's kept)
+        self.tail, self.launch = planned._args[_TENSOR_ARGS:], planned._launch
         self.flat_weight = weight is not None and weight.dim() != 1
         self.flat_weight2 = weight2 is not None and weight2.dim() != 1
         self.contiguous_freqs = freqs is not None and freqs.stride()[-3:] != (4, 2, 1)
@@ -344,18 +354,15 @@ class _PassLayout:
     def bind(self, t: torch.Tensor, inverse_rms, weight, weight2, freqs) -> NormRopePass:
         """The pass of `t` with these tensors (laid out as the ones this was worked out for), viewed as
         `norm_rope_pass` views them."""
-        args = list(self.args)
-        args[0] = args[5] = args[6] = t
-        args[1] = t if inverse_rms is None else inverse_rms.reshape(inverse_rms.shape[0], inverse_rms.shape[1])
-        args[2] = t if weight is None else (weight.reshape(-1) if self.flat_weight else weight)
-        args[3] = args[2] if weight2 is None else (weight2.reshape(-1) if self.flat_weight2 else weight2)
-        args[4] = t if freqs is None else (freqs.contiguous() if self.contiguous_freqs else freqs)
-        planned = NormRopePass.__new__(NormRopePass)
-        planned._slots = tuple(index for index in range(7) if args[index] is t)
-        planned._args = tuple(None if index < 7 and arg is t else arg for index, arg in enumerate(args))
-        planned._layout = (t.shape, t.stride(), t.dtype, t.device)
-        planned._launch = self.launch
-        return planned
+        inv = t if inverse_rms is None else inverse_rms.reshape(inverse_rms.shape[0], inverse_rms.shape[1])
+        w = t if weight is None else (weight.reshape(-1) if self.flat_weight else weight)
+        w2 = w if weight2 is None else (weight2.reshape(-1) if self.flat_weight2 else weight2)
+        f = t if freqs is None else (freqs.contiguous() if self.contiguous_freqs else freqs)
+        # (x, inverse RMS, weight, second weight, RoPE, values, scales): `_worked_out_pass`'s order
+        tensors = (t, inv, w, w2, f, t, t)
+        return NormRopePass(tuple(None if arg is t else arg for arg in tensors) + self.tail,
+                            tuple(index for index, arg in enumerate(tensors) if arg is t),
+                            (t.shape, t.stride(), t.dtype, t.device), self.launch)
 
 
 def norm_rope_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
@@ -367,7 +374,7 @@ def norm_rope_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
     cannot take the call. An in-place pass is worked out once for its tensors' layouts (`_PassLayout`)."""
     if not can_run(t):
         return None
-    if quantize_into is not None or into is not None:
+    if quantize_into is not None or into is not None or not fast_paths.on("pass_layouts"):
         return _worked_out_pass(t, inverse_rms, weight, freqs, head_norm_eps, weight2, split, quantize_into,
                                 span_eps, into)
     key = (_PassLayout, _placed(t), _placed(inverse_rms), _placed(weight), _placed(weight2), _placed(freqs),
@@ -439,7 +446,9 @@ def _worked_out_pass(t: torch.Tensor, inverse_rms: Optional[torch.Tensor], weigh
     meta = dict(HEADS=heads, DIM=dim, BLOCK_T=block_t, HAS_INV=inverse_rms is not None, HAS_W=weight is not None,
                 HAS_W2=weight2 is not None, HAS_F=freqs is not None, HEAD_NORM=head_norm_eps is not None,
                 QUANT=quantize_into is not None, SPAN_STATS=span_eps is not None)
-    return NormRopePass(t, grid, args, meta, reusable=into is None and quantize_into is None)
+    # launches after the first of its layout (this call's or an earlier one's) go straight to the launcher
+    return NormRopePass.for_tensor(t, args, shared_launch(_norm_rope_kernel, grid, meta, args),
+                                   reusable=into is None and quantize_into is None)
 
 
 def norm_rope_launch(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,

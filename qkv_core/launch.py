@@ -1,34 +1,42 @@
-"""Repeated Triton launches with less host time (docs/design.md §2.5: a head group's launches are host-bound
-at short lengths).
+"""Repeated Triton launches with less host time, behind one interface (docs/design.md §2.5: a head group's
+launches are host-bound at short lengths).
 
-`kernel[grid](*args, **meta)` binds every argument, builds the specialization key, looks the compiled kernel up
-and then calls its launcher: about 18 µs of host time on an H200's host, where the launcher alone takes about 6
-(measured with microbenchmarks, docs/benchmarks.md#families). A head group's norm pass and attention are
-launched once per group with the same arguments but their tensors, so `CompiledLaunch` launches through Triton's
-own path once, keeps the compiled kernel it returns, and calls that kernel's launcher directly afterwards.
-
-Only where that is what Triton itself would do:
-- the compiled kernel's launcher is built from its `src.signature`, one entry per kernel parameter by name
-  (constexprs included, as Triton 3.2+ lays it out): the positional arguments, then the other parameters'
-  values from `meta` in the kernel's order, as `JITFunction.run` passes them;
-  any other layout (older Triton, the interpreter, an unknown object) keeps Triton's path for every launch;
-- no launch hook is set (a profiler such as proton): with one, Triton's path (it calls the hooks);
+`shared_launch(kernel, grid, meta, args)` gives the launch of a `@triton.jit` kernel for arguments laid out like
+`args`; its `launch(args)` runs the kernel. The first launch goes through Triton's public path,
+`kernel[grid](*args, **meta)`: it binds every argument, builds the specialization key, looks the compiled kernel
+up and calls that kernel's launcher, about 18 µs of host time on an H200's host where the launcher alone takes
+about 6. A head group's passes are launched once per group with the same arguments but their tensors, so later
+launches call the compiled kernel's launcher directly (the fast path `direct_launch`), only where that is what
+Triton's own launch does:
+- the installed Triton calls its launchers as this module does (`triton_problem`, asked once, at the first
+  launch): Triton 3.2 or later, its driver and compiled kernels have the fields used here, and its
+  `JITFunction.run` calls `kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+  launch_metadata, <enter hook>, <exit hook>, *<values>)`, the values one per entry of the compiled kernel's
+  `src.signature` (Triton 3.2: the parameters that are not constexprs; 3.3 and later: every parameter);
+- the kernel's signature starts with the positional arguments and names the rest in `meta`;
+- no launch hook is set (a profiler such as proton: Triton calls the hooks);
 - the same current CUDA device as the first launch (a compiled kernel belongs to one device's context);
 - each tensor argument as aligned (16 bytes or not) as the first launch's: Triton specializes on it.
-The caller promises the rest: the same non-tensor arguments, tensors of the same dtypes (both fixed per
-`CompiledLaunch`; the callers check their tensors' layout before they launch).
+Anything else takes Triton's path, at every launch. The caller promises the rest: the same non-tensor
+arguments and tensors of the same dtypes (part of `shared_launch`'s key).
 
-`shared_launch` keeps one `CompiledLaunch` per kernel, grid, meta-parameters and arguments (non-tensor values,
-tensors' dtypes, devices and alignment) across calls: a block's next call launches its first norm pass and its
-first attention straight away too (through Triton, each was 50–90 µs of host time on the critical path before
-the GPU has work: docs/benchmarks.md#families).
+`shared_launch` keeps each launch across calls (the fast path `kept_launches`), keyed by kernel, grid,
+meta-parameters and arguments: a block's next call launches its first norm pass and its first attention
+straight away too (through Triton, each was 50-90 µs of host time before the GPU had work). `kept_across_calls`
+keeps, in the same bounded store, a pass worked out from its tensors' layouts (`kernels._PassLayout`,
+`inplace_attention.OverQueriesPass`).
 """
 from __future__ import annotations
 
+import inspect
+import os
+import re
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+
+from . import fast_paths
 
 try:
     import triton
@@ -40,6 +48,61 @@ try:
     from triton import knobs as _knobs   # Triton 3.4+: the launch hooks live here
 except Exception:  # noqa: BLE001  # pragma: no cover - older Triton
     _knobs = None
+
+# Triton's own launcher call in `JITFunction.run`, blanks taken out: the layout `CompiledLaunch` reproduces
+_TRITONS_CALL = re.compile(r"kernel\.run\(grid_0,grid_1,grid_2,stream,kernel\.function,kernel\.packed_metadata,"
+                           r"launch_metadata,[\w.]*launch_enter_hook,[\w.]*launch_exit_hook,"
+                           r"\*(bound_args\.values\(\)|non_constexpr_vals)\)")
+_NOT_YET = object()
+_problem: Any = _NOT_YET
+
+
+def _version(text: str) -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:2])
+
+
+def _layout_problem() -> Optional[str]:
+    """Why the installed Triton's launchers are not called as `CompiledLaunch` calls them, or None: read from
+    its version and its own launch (`JITFunction.run`), without a GPU."""
+    if triton is None or _driver is None:
+        return "Triton is not installed"
+    version = getattr(triton, "__version__", "?")
+    if _version(version) < (3, 2):
+        return f"Triton {version}: its launchers take another layout before 3.2"
+    try:
+        from triton.runtime.jit import JITFunction
+        source = "".join(inspect.getsource(JITFunction.run).split())
+    except Exception as error:  # noqa: BLE001 - no source to read: Triton's path, which knows what to do
+        return f"Triton {version}'s launch could not be read ({type(error).__name__}: {error})"
+    if not _TRITONS_CALL.search(source):
+        return f"Triton {version}'s JITFunction.run calls its launchers in another way"
+    return None
+
+
+def _find_problem() -> Optional[str]:
+    """`triton_problem`'s answer, worked out."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton's interpreter runs the kernels"
+    problem = _layout_problem()
+    if problem is not None:
+        return problem
+    try:
+        active = _driver.active
+        if callable(getattr(active, "get_current_device", None)) and \
+                callable(getattr(active, "get_current_stream", None)):
+            return None
+    except Exception as error:  # noqa: BLE001 - no active driver: Triton's path, which knows what to do
+        return f"Triton's driver could not be read ({type(error).__name__}: {error})"
+    return "Triton's driver has no get_current_device / get_current_stream"
+
+
+def triton_problem() -> Optional[str]:
+    """Why a launch cannot go straight to the compiled kernel's launcher with the installed Triton, or None;
+    worked out once, at the first launch that asks."""
+    global _problem
+    if _problem is _NOT_YET:
+        _problem = _find_problem()
+    return _problem
 
 
 def _hooks() -> tuple:
@@ -66,41 +129,45 @@ class CompiledLaunch:
     constexprs by name, and `num_warps` / `num_stages`). `launch(args)`: the kernel's positional arguments,
     tensors included; every launch passes the same non-tensor values and tensors of the same dtypes. The first
     launch goes through Triton (compiling if needed); later ones call the compiled kernel's launcher where the
-    module docstring says that is safe, else Triton again. Holds no tensor of a launch (its arguments are
-    only kept as the non-tensor values and the tensor slots' alignment)."""
+    module docstring says that is Triton's own launch, else Triton again. Holds no tensor of a launch (only the
+    non-tensor values and the tensor slots' alignment)."""
 
-    __slots__ = ("_kernel", "_grid", "_meta", "_compiled", "_tail", "_device", "_alignment", "_count",
+    __slots__ = ("_kernel", "_grid", "_meta", "_learned", "_compiled", "_tail", "_device", "_alignment", "_count",
                  "direct")
 
     def __init__(self, kernel, grid: Sequence[int], meta: dict):
         self._kernel, self._meta = kernel, meta
         self._grid = (tuple(grid) + (1, 1))[:3]
+        self._learned = False
         self._compiled = self._tail = self._device = self._alignment = self._count = None
         self.direct = 0   # launches that went straight to the launcher (the tests read it)
 
     def launch(self, args: Sequence[Any]) -> None:
-        if self._compiled is not None and self._direct_launch(args):
+        if self._compiled is not None and fast_paths.on("direct_launch") and self._direct_launch(args):
             return
         compiled = self._kernel[self._grid](*args, **self._meta)
-        if self._compiled is None:
+        if not self._learned:
+            self._learned = True
             self._learn(compiled, args)
 
     def _learn(self, compiled, args: Sequence[Any]) -> None:
-        """Keep `compiled` (what the first launch returned) and the launcher's argument order, where the module
-        docstring's conditions hold; else every launch stays on Triton's path."""
+        """Keep `compiled` (what the first launch returned) and the launcher's values after `args`, where the
+        module docstring's conditions hold; else every launch stays on Triton's path."""
+        if triton_problem() is not None:
+            return
         signature = getattr(getattr(compiled, "src", None), "signature", None)
         names = getattr(self._kernel, "arg_names", None)
-        if _driver is None or not isinstance(signature, dict) or names is None or \
+        if not isinstance(signature, dict) or names is None or \
                 not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
             return
-        tail = names[len(args):]   # the parameters after the positional ones: passed by name in `meta`
-        if list(signature) != list(names) or len(args) > len(names) or any(name not in self._meta for name in tail):
-            return   # the launcher's arguments are not one per parameter, in the kernel's order
+        order, count = list(signature), len(args)
+        if order[:count] != list(names[:count]) or any(name not in self._meta for name in order[count:]):
+            return   # the launcher's values are not the positional arguments, then `meta`'s, in its order
         try:
             self._device = _driver.active.get_current_device()
         except Exception:  # noqa: BLE001 - no active driver: Triton's path, which knows what to do
             return
-        self._tail, self._count = tuple(self._meta[name] for name in tail), len(args)
+        self._tail, self._count = tuple(self._meta[name] for name in order[count:]), count
         # (position, 16-byte aligned) of each tensor argument: Triton specializes on the alignment
         self._alignment = tuple((index, _aligned(arg)) for index, arg in enumerate(args)
                                 if _aligned(arg) is not None)
@@ -124,15 +191,17 @@ class CompiledLaunch:
         return True
 
 
-# launches kept across calls (`shared_launch`): a few per model and size; the least recently used goes first
+# launches and worked-out passes kept across calls: a few per model and size; the least recently used goes first
 SHARED_LAUNCHES = 64
-_shared: "OrderedDict[tuple, CompiledLaunch]" = OrderedDict()
+_shared: "OrderedDict[tuple, Any]" = OrderedDict()
 
 
 def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) -> CompiledLaunch:
     """The `CompiledLaunch` of `kernel` over `grid` with `meta` for arguments like `args` (the same non-tensor
-    values, tensors of the same dtypes, devices and 16-byte alignment), the one an earlier call made where
-    there is one: what `CompiledLaunch` asks its caller to keep the same is part of the key. Holds no tensor."""
+    values, tensors of the same dtypes, devices and 16-byte alignment): the one an earlier call made where
+    there is one and the fast path `kept_launches` is on, else a new one. Holds no tensor."""
+    if not fast_paths.on("kept_launches"):
+        return CompiledLaunch(kernel, grid, meta)
     key = [id(kernel), tuple(grid), tuple(meta.items()), len(args)]
     for arg in args:   # (a flat key: this runs once per pass a call, on the host's critical path)
         if isinstance(arg, torch.Tensor):
@@ -144,26 +213,28 @@ def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) 
     if found is not None and found._kernel is kernel:   # (the id of a kernel still held: the same kernel)
         _shared.move_to_end(key)
         return found
-    found = _shared[key] = CompiledLaunch(kernel, grid, meta)
-    while len(_shared) > SHARED_LAUNCHES:
-        _shared.popitem(last=False)
-    return found
+    return _keep(key, CompiledLaunch(kernel, grid, meta))
 
 
 def kept_across_calls(key: tuple, make: Callable[[], Any]) -> Any:
     """What `make()` returns for `key`, made once and kept beside the shared launches (the same bound of the
-    most recently used, dropped with them by `forget_shared_launches`): a launch's worked-out arguments that
-    the next call of the same layout would work out again (`inplace_attention.OverQueriesPass`,
-    `kernels._PassLayout`). `key` starts with the kept object's class (no clash with `shared_launch`'s keys,
-    which start with an int); what is kept must hold no tensor."""
-    found = _shared.get(key)
-    if found is not None:
+    most recently used, dropped with them by `forget_shared_launches`): a pass's arguments worked out from its
+    tensors' layouts, which the next call of the same layout would work out again. `key` starts with the kept
+    object's class (no clash with `shared_launch`'s keys, which start with an int); what is kept must hold no
+    tensor; None is kept too (a layout the kernel declines is not checked again). The caller asks its own fast
+    path first (`pass_layouts`, `over_queries_pass`)."""
+    found = _shared.get(key, _NOT_YET)
+    if found is not _NOT_YET:
         _shared.move_to_end(key)
         return found
-    found = _shared[key] = make()
+    return _keep(key, make())
+
+
+def _keep(key: tuple, value: Any) -> Any:
+    _shared[key] = value
     while len(_shared) > SHARED_LAUNCHES:
         _shared.popitem(last=False)
-    return found
+    return value
 
 
 def forget_shared_launches() -> None:
@@ -172,4 +243,5 @@ def forget_shared_launches() -> None:
     _shared.clear()
 
 
-__all__ = ["CompiledLaunch", "shared_launch", "kept_across_calls", "forget_shared_launches", "SHARED_LAUNCHES"]
+__all__ = ["CompiledLaunch", "shared_launch", "kept_across_calls", "forget_shared_launches", "triton_problem",
+           "SHARED_LAUNCHES"]

@@ -28,7 +28,14 @@ def notice_once(key: str, message: str) -> bool:
 
 
 def drain_notices() -> list[str]:
-    """The notices logged since the last drain, oldest first; clears the list (not the once-only memory)."""
+    """The notices logged since the last drain (fallbacks and choices, one line each).
+
+    Returns
+    -------
+    list of str
+        Oldest first. The pending list is cleared; a notice already seen is still not logged again
+        (`reset_notices` forgets them).
+    """
     with _lock:
         out = list(_pending)
         _pending.clear()
@@ -36,7 +43,7 @@ def drain_notices() -> list[str]:
 
 
 def reset_notices() -> None:
-    """Forget every notice, so each is logged again once (tests; a new run report)."""
+    """Forget every notice, pending or seen, so that each is logged again once (a new run's report)."""
     with _lock:
         _seen.clear()
         _pending.clear()

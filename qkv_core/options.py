@@ -14,54 +14,86 @@ Level = Union[int, str]
 
 @dataclasses.dataclass
 class AttentionOptions:
-    # grouped-query attention: heads of k and v (heads must be a multiple); default: heads
+    """The keyword options of `qkv_attention`, `joint_qkv_attention` and `cross_qkv_attention`.
+
+    Every field defaults to None, "not set": the runtime's default behaviour. A call checks the combination
+    before any work (a `ValueError` that names the fix, `qkv_core/validation.py`).
+
+    Attributes
+    ----------
+    kv_heads : int, optional
+        Key/value heads (grouped-query attention); `heads` must be a multiple. Default: `heads`.
+    norm_spans_heads : bool, optional
+        The q/k norm spans every head (Wan's RMSNorm over the width): per-token statistics over all heads are
+        computed first and handed to `norm_rope` as ``group.mean_squares``.
+    split_heads : bool, optional
+        False: never split (one group). Default: split by `head_split_level` from the floor up.
+    kv_prefix : optional
+        Keys and values attended before the call's own: a ``(key, value)`` pair ``(batch or 1, tokens,
+        kv_heads, head_dim)``, a `KVPrefix` (q8 or native) or a `PrefixLayer`. Read, never changed or freed.
+    attention_mask : torch.Tensor or callable, optional
+        A tensor broadcasting to ``(batch, heads, q tokens, kv tokens)`` (boolean, True attends, or additive
+        float), or, with a staged core only, ``mask(query, key, group)`` that builds each group's.
+    force_attention : str, optional
+        A backend name (`backend_names`) instead of the automatic choice.
+    attention_fn : callable, optional
+        ``attention_fn([q, k, v(, extra)], group)`` -> ``(batch, q tokens, heads of the group, head_dim)``: the
+        caller's own attention. It gets each group's disposable tensors in a list and clears it.
+    norm_stats : callable, optional
+        ``norm_stats(project)`` -> (q mean squares, k mean squares), float32 ``(batch, tokens, 1)``: the
+        model's own statistics pass (with `norm_spans_heads` only).
+    norm_v : callable, optional
+        ``norm_v(v, group)``: a transform of each group's values, in place.
+    softmax_scale : float, optional
+        The softmax scale (the SDPA path only). Default ``1 / sqrt(head_dim)``.
+    head_split_level : int or str, optional
+        0-3 or "off", "low", "medium", "high" (`parse_level`). Default: High.
+    fused_quant : callable, optional
+        ``fused_quant(query, key, group, core, settings)`` -> q or k quantized by the `StagedCore` `core` in one
+        pass with the norm and RoPE, or None to fall back to `norm_rope` and the core's quantizers (docs/design.md
+        §2.5).
+    norm_key_into : callable, optional
+        ``norm_key_into(key, dest, group)`` -> bool: k's norm and RoPE written into `dest` (k's shape) instead of
+        in place, False (nothing done) where it cannot; used by `reuse_input`.
+    keep_keys : float, optional
+        The fraction (0 to 1) of groups whose keys the statistics pass keeps for them (with `norm_spans_heads`).
+    split_floor_tokens : int, optional
+        The fewest query tokens of one batch item that are split. Default `SPLIT_FLOOR_TOKENS`.
+    capture_kv : tuple, optional
+        ``(layer, start, stop)``: the keys and values of key/value tokens ``[start, stop)``, as attention sees
+        them, stored into `layer` (a `PrefixLayer`) for later calls' `kv_prefix`.
+    reuse_input : bool, optional
+        The caller gives its input up for good (a contiguous self-attention activation ``heads * head_dim``
+        wide, no other reference to it): a staged call with a spanning norm may keep its keys in the input's
+        storage and return its output there, so k is projected once. Ignored where that does not apply.
+    """
+
     kv_heads: Optional[int] = None
-    # the q/k norm spans all heads (Wan's RMSNorm over the width): per-token statistics are computed first
     norm_spans_heads: Optional[bool] = None
-    # False: never split (one group); default: split by `head_split_level` above the floor
     split_heads: Optional[bool] = None
-    # keys/values attended before the call's own: a (key, value) pair (batch, tokens, kv_heads, head_dim),
-    # a `KVPrefix` (q8 or native) or a `PrefixLayer`
     kv_prefix: Any = None
-    # a tensor (batch, heads or 1, q_tokens, kv_tokens), or a callable per group (staged cores only)
     attention_mask: Any = None
-    # a backend name ("sdpa", "flash", "sage", ...) instead of the automatic choice
     force_attention: Optional[str] = None
-    # attention_fn([q, k, v], group) -> (batch, tokens, group heads, head_dim): the caller's own attention
     attention_fn: Optional[Callable] = None
-    # norm_stats(project) -> (q mean squares, k mean squares): the model computes them its own way
     norm_stats: Optional[Callable] = None
-    # norm_v(v, group): a transform of each group's values in place
     norm_v: Optional[Callable] = None
-    # the softmax scale (SDPA path only); default 1 / sqrt(head_dim)
     softmax_scale: Optional[float] = None
-    # 0-3 or "off", "low", "medium", "high"; default: High (`head_split.DEFAULT_LEVEL`)
     head_split_level: Optional[Level] = None
-    # fused norm + RoPE + quantize for staged cores (docs/design.md §2.5)
     fused_quant: Optional[Callable] = None
-    # norm_key_into(key, dest, group) -> bool: k's norm and RoPE written into `dest` (key's shape) instead of
-    # in place, False (nothing done) where it cannot; a call that reuses its input (`reuse_input`) then writes
-    # its keys straight into the input's rows instead of copying them there
     norm_key_into: Optional[Callable] = None
-    # the fraction (0-1) of groups whose keys the statistics pass keeps for them
     keep_keys: Optional[float] = None
-    # the fewest tokens (of one batch item) that are split; default `head_split.SPLIT_FLOOR_TOKENS`
     split_floor_tokens: Optional[int] = None
-    # (layer, start, stop): the keys/values of key/value tokens [start, stop) stored into `layer` (a
-    # `PrefixLayer`) for later calls' `kv_prefix` (capture.py)
     capture_kv: Optional[tuple] = None
-    # the caller gives up its input for good (a self-attention's activation, contiguous, heads * head_dim wide,
-    # no other reference to it): a staged call with a spanning norm may then keep its keys in the input's
-    # storage and write the output there, so k is projected once (input_reuse.py); ignored where that does
-    # not apply
     reuse_input: Optional[bool] = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
+        """The option names, in field order."""
         return tuple(field.name for field in dataclasses.fields(cls))
 
     @classmethod
     def from_kwargs(cls, options: dict) -> "AttentionOptions":
+        """The record of a call's keyword `options`; a `TypeError` listing the known names for an unknown one."""
         unknown = options.keys() - _NAMES
         if unknown:
             raise TypeError(f"unknown option(s) {sorted(unknown)}; the options are {list(cls.names())}")

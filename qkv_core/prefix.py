@@ -19,11 +19,24 @@ from .q8 import dequantize_q8_into, quantize_q8
 
 
 class KVPrefix(NamedTuple):
-    """A cached prefix: tensors only (so CUDA graphs can take it as an argument).
+    """A cached key/value prefix (`cache_prefix`, `q8_prefix`), passed as ``kv_prefix=``: tensors only, so
+    CUDA graphs can take it as an argument. The runtime reads it and never frees it.
 
-    q8: `k`, `v` int8 `(batch, tokens, kv_heads, head_dim)`, `k_scale`, `v_scale` float16
-    `(..., head_dim // 32)`, `k_mean` = `v_mean` = None. Native (staged cores): `k_mean` is the keys' mean
-    used for smoothing, the rest in that core's layout.
+    Attributes
+    ----------
+    k, v : torch.Tensor
+        q8: int8 ``(batch or 1, tokens, kv_heads, head_dim)``. Native: the staged core's own layout.
+    k_scale, v_scale : torch.Tensor
+        q8: float16 ``(batch or 1, tokens, kv_heads, head_dim // 32)``, one scale per 32 channels. Native: the
+        core's scales.
+    k_mean : torch.Tensor or None
+        None for q8; for a native prefix the keys' mean the core smoothed them by.
+    v_mean : torch.Tensor or None
+        The core's value mean where it keeps one, else None.
+    is_native : bool
+        A staged core's layout (read by that core only).
+    tokens : int
+        Prefix tokens.
     """
 
     k: torch.Tensor
@@ -43,8 +56,26 @@ class KVPrefix(NamedTuple):
 
 
 def q8_prefix(k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor) -> KVPrefix:
-    """Wraps q8 tensors an archive already holds, without copying. 3-D tensors `(tokens, kv_heads, head_dim)`
-    are taken as batch 1 (views)."""
+    """A `KVPrefix` of q8 tensors held elsewhere (an archive), without copying.
+
+    Parameters
+    ----------
+    k, v : torch.Tensor
+        int8 ``(batch, tokens, kv_heads, head_dim)`` of one shape, or ``(tokens, kv_heads, head_dim)`` (taken
+        as batch 1, a view).
+    k_scale, v_scale : torch.Tensor
+        ``(..., head_dim // 32)`` beside each; other float dtypes are cast to float16 (a new tensor).
+
+    Returns
+    -------
+    KVPrefix
+        Views of the tensors given: the caller keeps them alive as long as the prefix is used.
+
+    Raises
+    ------
+    ValueError
+        Not int8, shapes that do not match, or k and v of different shapes.
+    """
     parts = []
     for name, values, scales in (("k", k, k_scale), ("v", v, v_scale)):
         if values.dtype != torch.int8:
@@ -62,10 +93,31 @@ def q8_prefix(k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor, v_scale: 
 
 
 def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
-    """Quantizes a prefix `[key, value]` (float `(batch, tokens, kv_heads, head_dim)`); the list is cleared.
+    """A prefix quantized for keeping: a staged core's native layout where one is given, else q8.
 
-    `native=True` keeps it in a staged core's own layout when `kit` is one (SageAttention issues add it);
-    otherwise, and on any machine without one, it is stored as q8 (said once).
+    Parameters
+    ----------
+    kv_list : list
+        ``[key, value]``, float ``(batch, tokens, kv_heads, head_dim)`` of one shape, already normalized and
+        rotated; ``head_dim`` a multiple of 32 for q8. The list is cleared and the 16-bit tensors dropped once
+        quantized, so only the quantized form stays.
+    native : bool
+        Keep the staged core's own layout when `kit` is one; without one (any machine without SageAttention
+        2) the prefix is kept as q8, said once.
+    kit : StagedCore, optional
+        `native_prefix_kit()`.
+
+    Returns
+    -------
+    KVPrefix
+        New tensors on the inputs' device: q8 takes 17/32 of the 16-bit bytes.
+
+    Raises
+    ------
+    ValueError
+        `kv_list` is not a two-element list of 4-D tensors of one shape, (q8) a head dim that is not a
+        multiple of 32 or a non-float dtype, or (native) a device, dtype or head dim the core's layout does
+        not take.
     """
     if not isinstance(kv_list, list) or len(kv_list) != 2:
         raise ValueError("cache_prefix takes [key, value] in a two-element list that it clears")
@@ -87,7 +139,25 @@ def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
 
 
 def dequantize_prefix(prefix: KVPrefix, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
-    """16-bit `(key, value)` of a q8 prefix (new tensors)."""
+    """The 16-bit keys and values of a q8 prefix.
+
+    Parameters
+    ----------
+    prefix : KVPrefix
+        A q8 prefix (not native).
+    dtype : torch.dtype
+        The result's dtype (default bfloat16).
+
+    Returns
+    -------
+    tuple of torch.Tensor
+        ``(key, value)``, ``(batch or 1, tokens, kv_heads, head_dim)``: new tensors the caller owns.
+
+    Raises
+    ------
+    ValueError
+        A native prefix (only its staged core reads it).
+    """
     if prefix.is_native:
         raise ValueError("dequantize_prefix takes a q8 prefix; a native prefix is read by its staged core only")
     k = torch.empty(prefix.k.shape, dtype=dtype, device=prefix.k.device)
@@ -112,8 +182,33 @@ def _to(tensors: Sequence[Optional[torch.Tensor]], device, pin: bool, non_blocki
 
 
 class PrefixLayer:
-    """The prefix of one block. `store` once, then `kv_prefix()` (for `kv_prefix=`) or `get()` (16-bit
-    tensors for attentions outside the runtime) at every later pass."""
+    """The prefix of one model block, made by its `PrefixCache`: `store` once, then `kv_prefix` (for
+    ``kv_prefix=``, or as a call's ``capture_kv`` target) or `get` (16-bit tensors for an attention outside
+    the runtime) at every later pass.
+
+    Methods
+    -------
+    store(k, v, kit=None)
+        Keeps the block's keys and values ``(batch, tokens, kv_heads, head_dim)``, normalized and rotated, in
+        the cache's form: quantized caches keep only the quantized form, 16-bit ones a copy (the caller may
+        change or free its tensors after).
+    kv_prefix()
+        A `KVPrefix` (quantized caches) or a ``(key, value)`` pair: the layer's own tensors (with ``ram``, the
+        device ring's), to read and not to change.
+    get(dtype=None)
+        16-bit ``(key, value)`` on the compute device (dequantized: new tensors).
+    populated : bool
+        `store` has run since the last `clear`.
+    clear()
+        Drops what the layer holds.
+    nbytes()
+        The bytes the layer holds.
+
+    Raises
+    ------
+    RuntimeError
+        `kv_prefix` or `get` before `store`.
+    """
 
     def __init__(self, cache: "PrefixCache", index: int):
         self._cache, self.index = cache, index
@@ -172,13 +267,38 @@ class PrefixLayer:
 
 
 class PrefixCache:
-    """One `PrefixLayer` per model block.
+    """Key/value prefixes kept across sampler steps: one `PrefixLayer` per model block (``cache[i]``).
 
-    `quantize`: keep q8 (or a staged core's native layout with `native=True`); else 16 bits.
-    `ram`: layers live in CPU memory (pinned when CUDA is present) and are streamed to the compute device
-    one layer ahead of use, through a ring of two device slots, so the device holds about two layers.
-    `clear()` at the end of a run; `clear(keep_ring=True)` empties the layers but keeps the device ring for a
-    new `store` (e.g. when step-dependent LoRAs change the prefix).
+    Parameters
+    ----------
+    blocks : int
+        Layers, at least one.
+    quantize : bool
+        Keep q8 (or a staged core's native layout with `native`); else 16 bits.
+    native : bool
+        With `quantize`: the native layout where a staged core is passed to `PrefixLayer.store`.
+    ram : bool
+        The layers live in CPU memory (pinned when CUDA is present) and are copied to the compute device one
+        layer ahead of use, through a ring of two device slots, so the device holds about two layers.
+    name : str
+        A label for the run report.
+    dtype : torch.dtype
+        The dtype `PrefixLayer.get` dequantizes to by default.
+
+    Methods
+    -------
+    clear(keep_ring=False)
+        Frees every layer (the end of a run); `keep_ring` keeps the device ring for a new `store` (a
+        step-dependent LoRA changed the prefix).
+    nbytes()
+        Bytes the layers hold (RAM with `ram`), the device ring not counted.
+    ring_nbytes()
+        Bytes of the device ring.
+
+    Raises
+    ------
+    ValueError
+        `blocks` under 1.
     """
 
     def __init__(self, blocks: int, quantize: bool = False, native: bool = True, ram: bool = False,

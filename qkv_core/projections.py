@@ -12,6 +12,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import fast_paths
+
 
 def _as_items(t: torch.Tensor) -> torch.Tensor:
     """`(batch, tokens, features)`: `t` itself, or a `(tokens, features)` tensor as one batch item (a view)."""
@@ -19,14 +21,33 @@ def _as_items(t: torch.Tensor) -> torch.Tensor:
 
 
 class PreparedProjection:
-    """A projection ready for one layer call. Holds the input (and any cast weight) until `release()`.
+    """A projection ready for one layer call (what `RowProjection.prepare` returns); subclass it for a weight
+    format. It holds the input `x` ``(batch, tokens, in)`` or ``(tokens, in)`` (and any cast weight) until
+    `release`, which the runtime calls once the call's last group has read it.
 
-    `rows(start, stop)` returns a new tensor `(*x.shape[:-1], stop - start)` that the caller owns.
-    `rows_into(out, start, stop, token_start)` writes the same rows for the tokens
-    `[token_start, token_start + n)` into `out` `(batch, n, stop - start)` (any strides; one batch item may
-    also come as `(n, stop - start)`), so a caller can project the full width a chunk of tokens at a time, or
-    straight into a buffer it already has. It is cheap only where `by_tokens` is True; the default computes
-    every token and copies.
+    Attributes
+    ----------
+    by_tokens : bool
+        `rows_into` computes only the tokens asked for (else it computes every token and copies).
+
+    Methods
+    -------
+    rows(start, stop)
+        Output features ``[start, stop)`` for every token: a new tensor ``(*x.shape[:-1], stop - start)`` in
+        the compute dtype, owned by the caller. Required.
+    rows_into(out, start, stop, token_start=0)
+        The same features of tokens ``[token_start, token_start + n)`` written into `out` ``(batch, n,
+        stop - start)`` (any strides; one batch item may come as ``(n, stop - start)``): the full width a chunk
+        of tokens at a time, or straight into a buffer the caller has. Default: `rows`, then a copy.
+    writes_into(batch)
+        Is `rows_into` of a whole output one launch, no more than `rows` and a copy? Default False.
+    writer(out)
+        ``write(start, stop)``: `rows_into` of every token into `out`, with what does not depend on the rows
+        worked out once; None where the class has none. The writer holds the input until the caller drops it.
+    full()
+        Every output feature (`x` projected whole): a new tensor the caller owns. Required.
+    release()
+        Drops the input and cast weights; nothing may be asked after.
     """
 
     by_tokens = False
@@ -58,11 +79,23 @@ class PreparedProjection:
 
 
 class RowProjection:
-    """A projection whose output rows can be computed separately.
+    """A projection whose output features (rows of its weight) can be computed apart: what the runtime takes
+    besides `torch.nn.Linear` and plain callables. Subclass it for a weight format (`nodes/comfy_ops.py`).
 
-    `not_row_sliceable()` returns None when `rows` computes exact row slices, else a short reason (a weight
-    format or LoRA type with no row slice); the runtime then projects that stream whole (and runs unsplit
-    when the stream is long enough to be split).
+    Attributes
+    ----------
+    out_features : int, optional
+        Output features, where known (`FusedRows` needs it to split a fused layer into equal parts).
+
+    Methods
+    -------
+    prepare(x)
+        A `PreparedProjection` of `x` ``(batch, tokens, in)`` or ``(tokens, in)`` for one call (the weight cast
+        or patched once). The prepared projection holds `x` until its `release`. Required.
+    not_row_sliceable()
+        None when the prepared rows are exact slices of the whole projection, else a short reason (a weight
+        format or LoRA type with no row slice): the runtime then projects that stream whole, and a stream long
+        enough to be split runs in one group.
     """
 
     out_features: Optional[int] = None
@@ -75,7 +108,19 @@ class RowProjection:
 
 
 class WeightRows(PreparedProjection):
-    """Rows of `x @ weight.T + bias` from an already cast weight `(out, in)` and bias `(out,)` or None."""
+    """Rows of ``x @ weight.T + bias`` from an already cast weight: the `PreparedProjection` of a plain Linear.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(batch, tokens, in)`` or ``(tokens, in)``; held until `release`.
+    weight : torch.Tensor
+        ``(out, in)`` in `x`'s dtype and device; held until `release`.
+    bias : torch.Tensor, optional
+        ``(out,)``.
+    on_release : callable, optional
+        Called once by `release` (e.g. to drop a cast weight the caller keeps elsewhere).
+    """
 
     def __init__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  on_release: Optional[Callable[[], None]] = None):
@@ -95,7 +140,7 @@ class WeightRows(PreparedProjection):
         `(batch, tokens, in)` or `(tokens, in)`; `out`'s rows of each batch item are contiguous (its items may be
         apart: the tokens of one stream in a joined buffer). The bias is added in the product, as F.linear adds
         it."""
-        if self._weight_t is None:
+        if self._weight_t is None or not fast_paths.on("weight_views"):
             self._items = _as_items(self.x)
             self._item = self._items[0] if self._items.shape[0] == 1 else None
             self._weight_t = self.weight.t()
@@ -147,11 +192,22 @@ class WeightRows(PreparedProjection):
 
 
 class RowsOnDemand(PreparedProjection):
-    """Rows of `x @ W.T + b` where only the rows asked for are made ready: `weight_rows(start, stop)` returns
-    the rows of the weight and bias `(stop - start, in)`, `(stop - start,)` or None, cast as the whole
-    weight would be (an elementwise cast or a dequantization by rows gives the same values). Only one range
-    is held at a time, so a layer call holds a head group's rows of its weight, not the whole cast weight
-    beside the input; the last range is reused (a pass over token chunks of the same rows casts once)."""
+    """Rows of ``x @ W.T + b`` where only the weight rows asked for are made ready (cast or dequantized).
+
+    One range is held at a time, so a layer call holds a head group's rows of its weight, not the whole cast
+    weight beside the input; the last range is reused (token chunks of the same rows cast once).
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``(batch, tokens, in)`` or ``(tokens, in)``; held until `release`.
+    out_features : int
+        Rows of the whole weight.
+    weight_rows : callable
+        ``weight_rows(start, stop)`` -> ``(weight rows (stop - start, in), bias rows (stop - start,) or None)``
+        in `x`'s dtype, cast as the whole weight would be (an elementwise cast or a dequantization by rows
+        gives the same values). The rows are new tensors; this object drops them when it moves to another range.
+    """
 
     by_tokens = True
 
@@ -246,7 +302,15 @@ class _CallOnce(PreparedProjection):
 
 
 class WholeProjection(RowProjection):
-    """Any callable `x -> y`: it cannot be computed by rows, so it runs whole (once per layer call)."""
+    """A projection that cannot be computed by rows: it runs whole, once per call, and is sliced.
+
+    Parameters
+    ----------
+    fn : callable
+        ``fn(x)`` -> ``(*x.shape[:-1], features)``.
+    reason : str
+        What `not_row_sliceable` says (the runtime logs it where a split stream is kept in one group).
+    """
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], reason: str = "not a Linear"):
         self.fn, self.reason = fn, reason
@@ -286,11 +350,29 @@ class _OffsetRows(PreparedProjection):
 
 
 class FusedRows(RowProjection):
-    """Part `index` of a fused projection whose output stacks several projections by rows (a `qkv` Linear:
-    q, k, v; Flux's `linear1`: q, k, v, mlp): `parts` equal parts, or `sizes` (output features of each part,
-    e.g. `(heads * d, kv_heads * d, kv_heads * d)` for grouped-query attention). Pass one per role:
-    `FusedRows(qkv, 0, 3), FusedRows(qkv, 1, 3), FusedRows(qkv, 2, 3)`. Each prepares the fused layer for
-    itself (a `torch.nn.Linear`'s rows are views: nothing is copied)."""
+    """One part of a fused projection whose output stacks several projections by rows (a ``qkv`` Linear: q,
+    k, v; Flux's ``linear1``: q, k, v, mlp). Pass one per role: ``FusedRows(qkv, 0, 3), FusedRows(qkv, 1, 3),
+    FusedRows(qkv, 2, 3)``; each prepares the fused layer for itself (a Linear's rows are views: nothing is
+    copied).
+
+    Parameters
+    ----------
+    projection : torch.nn.Linear, RowProjection or callable
+        The fused layer (a callable runs whole and is sliced).
+    index : int
+        Which part, from 0.
+    parts : int
+        Equal parts (default 3), when `sizes` is not given.
+    sizes : sequence of int, optional
+        Output features of each part, e.g. ``(heads * d, kv_heads * d, kv_heads * d)`` for grouped-query
+        attention.
+
+    Raises
+    ------
+    ValueError
+        The layer's output features do not split into `parts` equal parts, `sizes` does not add up to them,
+        or `index` is not one of the parts.
+    """
 
     def __init__(self, projection, index: int, parts: int = 3, sizes=None):
         self.inner = as_row_projection(projection)

@@ -64,11 +64,27 @@ def attends_over_queries(backend: AttentionBackend, tokens: int, device: torch.d
 
 
 def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
-    """Sets `tensor[:, a:b] = fn(tensor[:, a:b], a, b)` by chunks of tokens (dim 1) of `[start, stop)`: a
-    per-token function (norm, RoPE) applied in place with bounded scratch. A chunk holds at most 2^23
-    elements and at most a quarter of the range (at least 2^16 elements), so the scratch stays small next to
-    the tensor itself whatever its size. `fn` may change its argument in place and return it, or return a
-    new tensor (copied back)."""
+    """Apply a per-token function (a norm, a RoPE) in place, by chunks of tokens, with bounded scratch.
+
+    Sets ``tensor[:, a:b] = fn(tensor[:, a:b], a, b)`` for consecutive chunks ``[a, b)`` of ``[start, stop)``.
+    A chunk holds at most 2^23 elements and at most a quarter of the range (at least 2^16 elements), so the
+    scratch `fn` makes stays small next to the tensor whatever its size.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        ``(batch, tokens, ...)``, any dtype and device; changed in place.
+    fn : callable
+        ``fn(part, a, b)`` with `part` the view ``tensor[:, a:b]``. It may change `part` in place and return it
+        (or None), or return a new tensor of `part`'s shape, which is copied back and dropped.
+    start, stop : int, optional
+        The token range (default: every token).
+
+    Returns
+    -------
+    torch.Tensor
+        `tensor` itself.
+    """
     stop = tensor.shape[1] if stop is None else stop
     per_token = max(1, tensor[:, :1].numel())
     budget = min(ROWS_CHUNK_ELEMENTS, max(ROWS_MIN_CHUNK_ELEMENTS, (stop - start) * per_token // 4))
@@ -249,14 +265,41 @@ def _stream_parts(streams) -> list:
 @torch.compiler.disable
 def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, norm_rope=None, extra_proj=None,
                   **options) -> torch.Tensor:
-    """Self-attention of the q/k/v projections of `x` -> `(batch, tokens, heads, head_dim)`.
+    """Self-attention of `x`: q, k and v projected and attended a group of heads at a time.
 
-    `x_list`: `[x]`, `x` `(batch, tokens, features)` or `(tokens, features)` (batch 1); the list is cleared.
-    `q_proj`, `k_proj`, `v_proj`: `torch.nn.Linear`, `RowProjection` or any callable (run whole). k and v
-    produce `kv_heads * head_dim` features. `norm_rope(query, key, group)` normalizes and rotates in place
-    (either may be None). `extra_proj`: a fourth projection (e.g. a gate) whose head-group rows
-    `attention_fn` also receives. Options: the fields of `AttentionOptions` (qkv_core/options.py), docs/design.md §2.1.
-    Inference only: under grad mode, an input or a projection's weight that requires grad is a `ValueError`.
+    Parameters
+    ----------
+    x_list : list
+        ``[x]``, `x` ``(batch, tokens, features)`` or ``(tokens, features)`` (batch 1), float16, bfloat16 or
+        float32. The call clears the list and then holds the only reference it needs: it frees `x` as soon as
+        the projections no longer need it, so the caller keeps no other reference if it wants that memory back.
+    q_proj, k_proj, v_proj : torch.nn.Linear, RowProjection or callable
+        The projections (docs/design.md §2.1): q gives ``heads * head_dim`` features, k and v
+        ``kv_heads * head_dim``. A callable that is neither runs whole once and is sliced.
+    heads, head_dim : int
+        Query heads and the channels of each.
+    norm_rope : callable, optional
+        ``norm_rope(query, key, group)``: normalizes and rotates in place the tensors it is given (either may be
+        None), each ``(batch, tokens, heads of the group, head_dim)``; `group` is a `HeadGroup`.
+    extra_proj : optional
+        A fourth projection (e.g. a gate), cut by head group like q and handed to ``attention_fn``.
+    **options
+        The fields of `AttentionOptions`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, tokens, heads, head_dim)`` in `x`'s dtype, on its device: a new tensor the caller owns (with
+        ``reuse_input``, a view of `x`'s storage). Nothing else the call allocated outlives it.
+
+    Raises
+    ------
+    TypeError
+        An unknown option.
+    ValueError
+        Before any work: `x_list` is not a one-element list of a 2-D or 3-D tensor, a projection is None or
+        of the wrong width, a bad combination of options (the message names the fix), or, with grad mode on,
+        an input, a weight, a prefix or a mask that requires grad (inference only).
     """
     if torch.is_grad_enabled():
         refuse_autograd("qkv_attention", [("x", x_list), ("the q projection", q_proj), ("the k projection", k_proj),
@@ -271,10 +314,37 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
 
 @torch.compiler.disable
 def joint_qkv_attention(streams, heads: int, head_dim: int, norm_rope=None, **options) -> torch.Tensor:
-    """Several token streams projected and joined along tokens in their order, attended as one sequence
-    (MMDiT joint attention). `streams`: `[(x_list, (q_proj, k_proj, v_proj[, extra_proj])), ...]`; each
-    `x_list` is cleared. Returns `(batch, sum of tokens, heads, head_dim)`; `norm_rope` sees the joined
-    tensors (each stream's tokens at its offset)."""
+    """Joint attention (MMDiT): several token streams projected, joined along the tokens in their order and
+    attended as one sequence.
+
+    Parameters
+    ----------
+    streams : list
+        ``[(x_list, (q_proj, k_proj, v_proj[, extra_proj])), ...]``, at least one. Each `x_list` is ``[x]``,
+        `x` ``(batch, tokens of the stream, features)`` (one batch size and one dtype for all streams), and is
+        cleared by the call, which frees each input once projected (as in `qkv_attention`). Either every
+        stream carries an `extra_proj` or none does.
+    heads, head_dim : int
+        Query heads and the channels of each.
+    norm_rope : callable, optional
+        As in `qkv_attention`; it sees the joined tensors (each stream's tokens at its offset).
+    **options
+        The fields of `AttentionOptions`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, sum of the streams' tokens, heads, head_dim)`` in the inputs' dtype: a new tensor the caller
+        owns.
+
+    Raises
+    ------
+    TypeError
+        An unknown option.
+    ValueError
+        No stream, a stream of another form, streams of different batch sizes or dtypes, and everything
+        `qkv_attention` refuses.
+    """
     if not streams:
         raise ValueError("joint_qkv_attention needs at least one stream")
     if torch.is_grad_enabled():
@@ -292,8 +362,37 @@ def joint_qkv_attention(streams, heads: int, head_dim: int, norm_rope=None, **op
 @torch.compiler.disable
 def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, norm_rope=None,
                         **options) -> torch.Tensor:
-    """Queries from `x`, keys/values from `context` -> `(batch, tokens of x, heads, head_dim)`. Both lists
-    are cleared. The longer of the two sequences decides the head split."""
+    """Cross-attention: queries projected from `x`, keys and values from `context`.
+
+    Parameters
+    ----------
+    x_list, context_list : list
+        ``[x]``, ``[context]``: `x` ``(batch, tokens, features)``, `context` ``(batch or 1, context tokens,
+        context features)`` in `x`'s dtype (a batch of 1 serves every item). Both lists are cleared and each
+        input is freed once projected (as in `qkv_attention`).
+    q_proj : torch.nn.Linear, RowProjection or callable
+        Projects `x` to ``heads * head_dim`` features.
+    k_proj, v_proj : torch.nn.Linear, RowProjection or callable
+        Project `context` to ``kv_heads * head_dim`` features.
+    heads, head_dim : int
+        Query heads and the channels of each.
+    norm_rope : callable, optional
+        As in `qkv_attention` (query from `x`, key from `context`).
+    **options
+        The fields of `AttentionOptions`. The longer of the two sequences decides the head split.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, tokens of x, heads, head_dim)`` in `x`'s dtype: a new tensor the caller owns.
+
+    Raises
+    ------
+    TypeError
+        An unknown option.
+    ValueError
+        As `qkv_attention`.
+    """
     if torch.is_grad_enabled():
         refuse_autograd("cross_qkv_attention", [("x", x_list), ("context", context_list),
                                                 ("the q projection", q_proj), ("the k projection", k_proj),
@@ -312,9 +411,30 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
 
 @torch.compiler.disable
 def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch.Tensor:
-    """For models that already hold q, k, v `(batch, tokens, heads, head_dim)`: `qkv_list` `[q, k, v]` is
-    cleared. With a staged core, k is quantized and released before v is quantized (the peak drops by half
-    of k); otherwise the plain attention call. Same results either way."""
+    """Attention of q, k and v a model already holds, with k freed before v is quantized where it can be.
+
+    With a staged SageAttention core k is quantized and released before v is quantized (the peak drops by
+    half of k); otherwise the backend's plain call. The results are the same either way.
+
+    Parameters
+    ----------
+    qkv_list : list
+        ``[q, k, v]``: q ``(batch, q tokens, heads, head_dim)``, k and v ``(batch, kv tokens, kv heads,
+        head_dim)``, 16-bit or float32. The call clears the list and frees each tensor once it is used.
+    force_attention : str, optional
+        A backend name (`backend_names`) instead of the automatic choice.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(batch, q tokens, heads, head_dim)`` in q's dtype: a new tensor the caller owns.
+
+    Raises
+    ------
+    ValueError
+        `qkv_list` is not a three-element list of 4-D tensors of matching shapes, an unknown backend name, or,
+        with grad mode on, a tensor that requires grad.
+    """
     if torch.is_grad_enabled():
         parts = zip("qkv", qkv_list) if isinstance(qkv_list, list) and len(qkv_list) == 3 else [("qkv_list", qkv_list)]
         refuse_autograd("kv_first_attention", list(parts))

@@ -9,16 +9,33 @@ from typing import Optional
 
 
 class StagedCore:
-    """A SageAttention core whose quantizers run separately from its attention (docs/design.md §2.4).
+    """A SageAttention core whose quantizers run apart from its attention (docs/design.md §2.4): the runtime
+    quantizes each of v, k, q as soon as it is projected, so at most one of them exists in 16 bits. A
+    ``fused_quant`` hook is handed the call's core and settings.
 
-    The runtime calls `staged_quantize_v`, then `staged_quantize_k`, then `staged_quantize_q`, each with a
-    one-element list it hands off (the core clears it and keeps only the quantized form), then
-    `staged_attention(out, quantized, settings, mask=None)` which writes the attention into `out`
-    `(batch, q_tokens, heads, head_dim)` (a strided view of the full output). `settings` comes from
-    `settings(q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None)`: `masked`
-    says a mask will come to `staged_attention`; `native_prefix` is the group's heads of a native prefix
-    (`prefix_heads`), attended by the core in a pass of its own. Implementations: `sage.Sage1Core`,
-    `sage2.Sage2Core`.
+    Every tensor goes in and comes out ``(batch, tokens, heads, head_dim)`` (strided views allowed); the
+    quantized forms are the core's own (int8 or fp8 values with their scales).
+
+    Methods
+    -------
+    settings(q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None)
+        The core's choices for one group's shapes: `masked` says a mask will come to `staged_attention`;
+        `native_prefix` is the group's heads of a native prefix (`prefix_heads`), which the core attends in a
+        pass of its own and merges by log-sum-exp.
+    staged_quantize_v(v_list, settings), staged_quantize_k(k_list, settings),
+    staged_quantize_q(q_list, settings)
+        The quantized form of ``[tensor]``: the list is cleared and the core keeps no reference to the 16-bit
+        tensor, so it is freed once the caller drops its own.
+    staged_attention(out, quantized, settings, mask=None)
+        The attention of ``(quantized q, quantized k, quantized v)`` written into `out` ``(batch, q tokens,
+        heads of the group, head_dim)`` (a strided view of the call's output); the quantized tensors are the
+        caller's to drop after.
+    q_row_tile, empty_quantized_q, place_quantized_q_rows, quantized_q_heads
+        q's quantized layout assembled from chunks of tokens (a call that reuses its input); optional.
+    prefix_heads(prefix, heads)
+        A native prefix's key/value heads in this core's layout (views); optional.
+
+    Implementations: `sage.Sage1Core`, `sage2.Sage2Core`.
     """
 
     name = "staged"

@@ -21,9 +21,20 @@ _paused = 0                     # > 0 inside `not_counted()`
 
 @dataclasses.dataclass(frozen=True)
 class Tally:
-    """Counts since the last drain. `kernels`: backend label ("sdpa", "sage2 (staged)", "comfy: attention_sage")
-    -> attention kernel calls; `splits`: head groups -> runtime calls split into that many (1: not split);
-    `largest_call`: tokens of the longest runtime call, all batch items together (0 without one)."""
+    """What the runtime did since the last `drain_tally`.
+
+    Attributes
+    ----------
+    kernels : dict
+        Backend label ("sdpa", "sage (staged)", "comfy: attention_sage", ...) -> attention kernel calls, most
+        first.
+    splits : dict
+        Head groups -> runtime calls split into that many (1: not split), most groups first.
+    largest_call : int
+        Tokens of the longest runtime call, all batch items together (0 without one).
+    empty : bool
+        Nothing was counted.
+    """
 
     kernels: dict
     splits: dict
@@ -64,7 +75,12 @@ def count_split(groups: int, tokens: int = 0) -> None:
 
 
 def drain_tally() -> Tally:
-    """The counts since the last drain, most frequent first; clears them."""
+    """The counts since the last drain; clears them.
+
+    Returns
+    -------
+    Tally
+    """
     global _largest
     with _lock:
         out = Tally(dict(_kernels.most_common()), dict(sorted(_splits.items(), reverse=True)), _largest)

@@ -34,7 +34,7 @@ def _qkv_core_defaults():
     import qkv_core as qc
     qc.reset_notices()
     yield
-    qc.set_attention_backend("auto")
+    qc.backends.set_attention_backend("auto")
     qc.reset_notices()
 
 

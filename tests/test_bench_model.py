@@ -179,3 +179,36 @@ def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
     assert calls == [3] * 6   # stock and pack: one warm-up and two timed runs of three calls each
     assert row["pack_peak_x"] < row["stock_peak_x"] and row["max_rel_diff"] < 2e-2   # bf16
     assert row["stock_ms"] > 0 and row["pack_ms"] > 0
+
+
+def test_the_families_benchmark_times_the_fast_paths_on_and_off(tmp_path):
+    """`--families --fast-paths-ab`: the pack's forward timed with every fast path on, with none and with one
+    off, in turns (each `--ab-rounds` times), stock's time beside; on a tiny Qwen-Image block split on CPU."""
+    import torch  # noqa: F401 - the pack's modules need it imported
+    comfy_env.require_comfyui()
+    pack = comfy_env.load_pack()
+    blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
+    blocks.CASES["qwen-tiny"] = blocks.Case("qwen-tiny", "a tiny Qwen-Image block",
+                                            blocks.qwen_image_case(32, 16, width=512, heads=4))
+    out = tmp_path / "ab.json"
+    try:
+        assert blocks.main(["--cases", "qwen-tiny", "--device", "cpu", "--repeats", "1", "--split-floor", "0",
+                            "--fast-paths-ab", "--fast-paths", "none,-kept_launches", "--ab-rounds", "2",
+                            "--json", str(out)]) == 0
+    finally:
+        blocks.CASES.pop("qwen-tiny")
+    result = json.loads(out.read_text())["fast_paths_ab"][0]
+    assert [row["variant"] for row in result["rows"]] == ["all on", "none", "-kept_launches"]
+    assert all(row["rounds"] == 2 and row["ms"] > 0 for row in result["rows"]) and result["stock_ms"] > 0
+    assert result["rows"][0]["vs_all_on"] == 1.0
+
+
+def test_the_whole_model_benchmark_times_the_fast_paths_on_and_off(bench, tmp_path):
+    """`--whole-model --fast-paths-ab`: the pack's seconds a step with every fast path on and with none, in
+    turns, on the first card and negative only (stock is not run)."""
+    out = tmp_path / "records.jsonl"
+    assert bench.main(["--formats", "bf16:16", "--layers", "1", "--frames", "5", "--size", "128x128",
+                       "--steps", "1", "--fast-paths-ab", "--ab-rounds", "1", "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 1 and records[0]["negative"] == "zeros"
+    assert [row["variant"] for row in records[0]["fast_paths_ab"]] == ["all on", "none"]

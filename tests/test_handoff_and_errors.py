@@ -126,7 +126,7 @@ def test_kept_keys_are_freed(fail):
     layers = make_qkv(FEAT, H, D, seed=41)
     norm = SpanningNormRope(H, H, D, seed=3)
     watch, products = Watch(), []
-    k_rows = qc.LinearRows(layers[1])
+    k_rows = qc.projections.LinearRows(layers[1])
 
     class WatchedK(qc.RowProjection):
         out_features = k_rows.out_features
@@ -376,26 +376,26 @@ def test_kv_first_bad_list():
 
 def test_q8_errors():
     with pytest.raises(ValueError, match="q8 needs head_dim divisible by 32, got 48: keep this prefix in 16 bits"):
-        qc.quantize_q8(torch.randn(1, 4, 2, 48))
+        qc.q8.quantize_q8(torch.randn(1, 4, 2, 48))
     with pytest.raises(ValueError, match="q8 needs head_dim divisible by 32, got 48"):
-        qc.dequantize_q8_into(torch.empty(1, 4, 2, 48), torch.zeros(1, 4, 2, 48, dtype=torch.int8),
+        qc.q8.dequantize_q8_into(torch.empty(1, 4, 2, 48), torch.zeros(1, 4, 2, 48, dtype=torch.int8),
                               torch.ones(1, 4, 2, 1, dtype=torch.float16))
     with pytest.raises(ValueError, match="q8 needs head_dim divisible by 32, got 48"):
         qc.cache_prefix([torch.randn(1, 4, 2, 48), torch.randn(1, 4, 2, 48)], native=False)
     with pytest.raises(ValueError, match="quantize_q8 takes a float tensor, got torch.int32"):
-        qc.quantize_q8(torch.zeros(1, 4, 2, 32, dtype=torch.int32))
+        qc.q8.quantize_q8(torch.zeros(1, 4, 2, 32, dtype=torch.int32))
     with pytest.raises(ValueError, match="dequantize_q8_into takes int8 values, got torch.float32"):
-        qc.dequantize_q8_into(torch.empty(1, 4, 2, 32), torch.zeros(1, 4, 2, 32),
+        qc.q8.dequantize_q8_into(torch.empty(1, 4, 2, 32), torch.zeros(1, 4, 2, 32),
                               torch.ones(1, 4, 2, 1, dtype=torch.float16))
-    values, scales = qc.quantize_q8(torch.randn(1, 4, 2, 32))
+    values, scales = qc.q8.quantize_q8(torch.randn(1, 4, 2, 32))
     with pytest.raises(ValueError, match=r"output \(1, 5, 2, 32\) does not match q8 values \(1, 4, 2, 32\)"):
-        qc.dequantize_q8_into(torch.empty(1, 5, 2, 32), values, scales)
+        qc.q8.dequantize_q8_into(torch.empty(1, 5, 2, 32), values, scales)
     with pytest.raises(ValueError, match=r"output \(1, 4, 3, 32\) does not match q8 values"):
-        qc.dequantize_q8_into(torch.empty(1, 4, 3, 32), values, scales)
+        qc.q8.dequantize_q8_into(torch.empty(1, 4, 3, 32), values, scales)
 
 
 def test_q8_prefix_errors():
-    kq, ks = qc.quantize_q8(torch.randn(1, 6, 2, 64))
+    kq, ks = qc.q8.quantize_q8(torch.randn(1, 6, 2, 64))
     with pytest.raises(ValueError, match="q8_prefix: k must be int8, got torch.float32; quantize it with cache_prefix"):
         qc.q8_prefix(kq.float(), ks, kq, ks)
     with pytest.raises(ValueError, match="q8_prefix: v must be int8, got torch.bfloat16"):
@@ -418,14 +418,14 @@ def test_cache_prefix_wrong_list():
 
 def test_backend_registry_errors(layers):
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope': use one of \['auto', "):
-        qc.set_attention_backend("nope")
+        qc.backends.set_attention_backend("nope")
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'"):
         qc.qkv_attention([x16(1, 8)], *layers, 4, 32, force_attention="nope")
     with pytest.raises(ValueError, match=r"unknown attention backend 'nope'"):
         qc.pay_attention(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8),
                          force_attention="nope")
     with pytest.raises(ValueError, match="the sdpa backend cannot be removed: it is every call's last fallback"):
-        qc.unregister_backend("sdpa")
+        qc.backends.unregister_backend("sdpa")
     assert "sdpa" in qc.backend_names()
 
 
@@ -440,14 +440,14 @@ def test_prefix_cache_errors():
 
 # --- backend fallback -----------------------------------------------------------------------------------
 def test_available_backends():
-    available = qc.available_backends()
+    available = qc.backends.available_backends()
     assert available["sdpa"] is None
     assert set(available) == set(qc.backend_names()) >= {"sdpa", "flash", "sage"}
     assert qc.backend_names()[-1] == "sdpa"
     for name, reason in available.items():
         assert reason is None or isinstance(reason, str)
-    assert qc.get_attention_backend() == "auto"
-    assert qc.resolve_backend(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)).name \
+    assert qc.backends.get_attention_backend() == "auto"
+    assert qc.backends.resolve_backend(torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8), torch.randn(1, 4, 2, 8)).name \
         in qc.backend_names()
 
 
@@ -466,8 +466,8 @@ def test_forced_backend_falls_back_to_sdpa_on_cpu(caplog, name):
     plain = qc.pay_attention(q, k, v, force_attention="sdpa")
     assert torch.equal(qc.pay_attention(q, k, v, force_attention=name), plain)
     assert torch.equal(qc.kv_first_attention([q, k, v], force_attention=name), plain)
-    qc.set_attention_backend(name)
-    assert qc.get_attention_backend() == name
+    qc.backends.set_attention_backend(name)
+    assert qc.backends.get_attention_backend() == name
     assert torch.equal(qc.qkv_attention([x], qp, kp, vp, H, D, norm), want)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
@@ -550,9 +550,9 @@ def test_merge_lse_names_the_layout():
     good = torch.randn(1, 4, 6)
     with pytest.raises(ValueError,
                        match=r"lse must be \(batch, heads, tokens\) = \(1, 4, 6\).*pass \.transpose\(1, 2\)"):
-        qc.merge_lse_(out, torch.randn(1, 6, 4), other, good)
+        qc.q8.merge_lse_(out, torch.randn(1, 6, 4), other, good)
     with pytest.raises(ValueError, match=r"out and other must be one shape"):
-        qc.merge_lse_(out, good, torch.randn(1, 6, 4, 16), good.clone())
+        qc.q8.merge_lse_(out, good, torch.randn(1, 6, 4, 16), good.clone())
 
 
 def test_split_plan_says_why_it_does_not_split():
@@ -637,7 +637,7 @@ def test_weights_behind_a_projection_object_are_seen(form):
         def forward(self, x):
             return self.linear(x)
 
-    wrap = {"RowProjection": qc.LinearRows, "bound forward": lambda lin: Wrapper(lin).forward,
+    wrap = {"RowProjection": qc.projections.LinearRows, "bound forward": lambda lin: Wrapper(lin).forward,
             "closure": lambda lin: (lambda x: lin(x)), "module": Wrapper}[form]
     with pytest.raises(ValueError, match=r"^qkv_attention: the q projection requires grad .*torch\.no_grad\(\)"):
         _grad_calls(True, False, wrap)["qkv_attention"]()

@@ -73,7 +73,7 @@ def row_tiled_backend(core_module, name: str = NAME):
                                                      attn_mask=mask, scale=settings["scale"],
                                                      enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2))
 
-    class RowsBackend(core_module.AttentionBackend):
+    class RowsBackend(core_module.backends.AttentionBackend):
         def __init__(self, staged):
             self.name = name
             self.staged_core = staged
@@ -88,8 +88,8 @@ def row_tiled_backend(core_module, name: str = NAME):
 @pytest.fixture
 def core(request):
     backend = row_tiled_backend(qc)
-    qc.register_backend(backend)
-    request.addfinalizer(lambda: qc.unregister_backend(NAME))
+    qc.backends.register_backend(backend)
+    request.addfinalizer(lambda: qc.backends.unregister_backend(NAME))
     return backend.staged_core
 
 

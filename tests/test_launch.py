@@ -1,18 +1,21 @@
 """`launch.CompiledLaunch` without a GPU: a stand-in kernel records whether each launch went through Triton's
-`kernel[grid](...)` or straight to the compiled kernel's launcher, and with which arguments. (On a GPU,
-`tests/test_gpu.py` checks the real launcher's numbers against Triton's own launch.)"""
+`kernel[grid](...)` or straight to the compiled kernel's launcher, and with which arguments; the first-use check
+of the installed Triton (`launch.triton_problem`) with parts of Triton taken away. (On a GPU, `tests/test_gpu.py`
+checks the real launcher's numbers against Triton's own launch; `tests/test_fast_paths.py` runs the check and the
+fallback against other Triton versions.)"""
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
 import torch
 
-from qkv_core import launch
+from qkv_core import fast_paths, launch
 
 
 class Compiled:
-    """A compiled kernel as Triton 3.2+ returns it: its launcher's signature names every parameter."""
+    """A compiled kernel as Triton 3.3+ returns it: its launcher's signature names every parameter."""
 
     def __init__(self, names, log):
         self.src = types.SimpleNamespace(signature={name: "i32" for name in names})
@@ -52,9 +55,11 @@ class Driver:
 
 @pytest.fixture
 def driver(monkeypatch):
+    """A stand-in driver, and the first-use check passed (as on a GPU with a Triton this module knows)."""
     fake = Driver()
     monkeypatch.setattr(launch, "_driver", fake)
     monkeypatch.setattr(launch, "_hooks", lambda: (None, None))
+    monkeypatch.setattr(launch, "_problem", None)
     return fake
 
 
@@ -70,13 +75,26 @@ def test_later_launches_call_the_launcher_with_every_parameter_in_order(driver):
     assert planned.direct == 1
 
 
-def test_other_launcher_layouts_hooks_devices_and_alignments_go_through_triton(driver, monkeypatch):
-    # a launcher without the constexprs (older Triton): never called directly
+def test_a_launcher_of_the_parameters_that_are_not_constexprs_takes_the_positional_arguments(driver):
+    """Triton 3.2 lays its launcher out as the kernel's parameters that are not constexprs (`src.signature`
+    names them): the later launches pass the positional arguments alone."""
     kernel = Kernel(signature=["x_ptr", "n"])
     planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
-    for _ in range(3):
-        planned.launch((torch.zeros(8), 8))
-    assert [entry[0] for entry in kernel.log] == ["triton"] * 3 and planned.direct == 0
+    b = torch.zeros(8)
+    planned.launch((torch.zeros(8), 8))
+    planned.launch((b, 8))
+    kind, _, _, args = kernel.log[1]
+    assert kind == "direct" and args[1:] == (8,) and args[0] is b and planned.direct == 1
+
+
+def test_other_launcher_layouts_hooks_devices_and_alignments_go_through_triton(driver, monkeypatch):
+    # a launcher whose values are not the positional arguments, then meta's: never called directly
+    for signature in (["n", "x_ptr", "BLOCK"], ["x_ptr", "n", "BLOCK", "EXTRA"]):
+        kernel = Kernel(signature=signature)
+        planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+        for _ in range(3):
+            planned.launch((torch.zeros(8), 8))
+        assert [entry[0] for entry in kernel.log] == ["triton"] * 3 and planned.direct == 0
     # an interpreter (or anything that is not a compiled kernel) returned by the first launch
     kernel = Kernel()
     kernel.compiled = None
@@ -100,6 +118,66 @@ def test_other_launcher_layouts_hooks_devices_and_alignments_go_through_triton(d
     monkeypatch.setattr(launch, "_hooks", lambda: (types.SimpleNamespace(calls=[]), None))   # an empty chain
     planned.launch((torch.zeros(8), 8))
     assert kernel.log[-1][0] == "direct" and planned.direct == 1
+
+
+def test_the_fast_path_switch_and_the_first_use_check_send_every_launch_through_triton(driver, monkeypatch):
+    """`direct_launch` off: Triton's path while it is off, the launcher again after. The installed Triton
+    found unlike what this module calls (`triton_problem`) or a compiled kernel without the private fields it
+    reads: Triton's path at every launch."""
+    kernel = Kernel()
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+    planned.launch((torch.zeros(8), 8))
+    with fast_paths.only(set(fast_paths.FAST_PATHS) - {"direct_launch"}):
+        planned.launch((torch.zeros(8), 8))
+    planned.launch((torch.zeros(8), 8))
+    assert [entry[0] for entry in kernel.log] == ["triton", "triton", "direct"]
+    monkeypatch.setattr(launch, "_problem", "Triton 9.0's JITFunction.run calls its launchers in another way")
+    kernel = Kernel()
+    planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+    for _ in range(3):
+        planned.launch((torch.zeros(8), 8))
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 3
+    monkeypatch.setattr(launch, "_problem", None)
+    for missing in ("run", "function", "packed_metadata", "src"):
+        kernel = Kernel()
+        fields = dict(src=kernel.compiled.src, function="function", packed_metadata="metadata",
+                      run=kernel.compiled.run)
+        del fields[missing]
+        kernel.compiled = types.SimpleNamespace(**fields)
+        planned = launch.CompiledLaunch(kernel, (4,), dict(BLOCK=64))
+        for _ in range(3):
+            planned.launch((torch.zeros(8), 8))
+        assert [entry[0] for entry in kernel.log] == ["triton"] * 3, missing
+
+
+def test_the_first_use_check_reads_the_installed_tritons_launch(monkeypatch):
+    """`triton_problem` is asked once; it names why the launcher is not called directly: the interpreter, a
+    Triton before 3.2, a `JITFunction.run` that calls its launchers otherwise, a driver without the calls used
+    here; None where all is as this module calls it."""
+    triton = pytest.importorskip("triton")
+    jit = pytest.importorskip("triton.runtime.jit")
+    assert launch._layout_problem() is None, f"Triton {triton.__version__}"   # the Triton installed here
+    good = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 0)
+    monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=good))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert launch._find_problem() is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert "interpreter" in launch._find_problem()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace()))
+    assert "get_current_device" in launch._find_problem()
+    monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=good))
+    source = inspect.getsource(jit.JITFunction.run)
+    monkeypatch.setattr(launch.inspect, "getsource", lambda fn: source.replace("kernel.packed_metadata", "meta"))
+    assert "another way" in launch._find_problem()
+    monkeypatch.setattr(launch.inspect, "getsource", lambda fn: source)
+    monkeypatch.setattr(launch.triton, "__version__", "3.1.0")
+    assert "before 3.2" in launch._find_problem()
+    monkeypatch.setattr(launch, "_problem", launch._NOT_YET)
+    monkeypatch.setattr(launch, "_find_problem", lambda: "once")
+    assert launch.triton_problem() == "once"
+    monkeypatch.setattr(launch, "_find_problem", lambda: pytest.fail("asked twice"))
+    assert launch.triton_problem() == "once"
 
 
 def test_triton_hook_chains():
@@ -133,6 +211,9 @@ def test_a_later_calls_launch_of_the_same_layout_is_the_kept_one(driver, monkeyp
     assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 9)) is not others[0]   # dropped
     launch.forget_shared_launches()
     assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8)) is not first
+    with fast_paths.only(set(fast_paths.FAST_PATHS) - {"kept_launches"}):   # each its own launch
+        kept = launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8))
+        assert launch.shared_launch(kernel, (4,), dict(BLOCK=64), (torch.zeros(8), 8)) is not kept
     launch.forget_shared_launches()
 
 
@@ -150,4 +231,7 @@ def test_a_worked_out_launch_is_kept_for_its_key_beside_the_launches():
     assert launch.kept_across_calls((Kernel, 2), make) is not first and len(made) == 2
     launch.forget_shared_launches()
     assert launch.kept_across_calls((Kernel, 1), make) is not first and len(made) == 3
+    declined = []   # None is kept too: a declined layout is not worked out again
+    assert launch.kept_across_calls((Kernel, 3), lambda: declined.append(1)) is None
+    assert launch.kept_across_calls((Kernel, 3), lambda: declined.append(1)) is None and declined == [1]
     launch.forget_shared_launches()

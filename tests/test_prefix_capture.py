@@ -71,7 +71,7 @@ def test_capture_with_a_spanning_norm_and_a_staged_fake_keeps_the_16_bit_keys():
     log = []
     backend = FakeBackend(SmoothingCore(log))
     backend.name = "fake-capture"
-    qc.register_backend(backend)
+    qc.backends.register_backend(backend)
     try:
         qp, kp, vp = make_qkv(FEAT, H, D, seed=7)
         x = randn(1, GENERATED + REFERENCE, FEAT, seed=8)
@@ -85,4 +85,4 @@ def test_capture_with_a_spanning_norm_and_a_staged_fake_keeps_the_16_bit_keys():
         (k1, v1), (k2, v2) = plain[0].get(), staged[0].get()
         assert max_rel_err(k2, k1) < 1e-5 and max_rel_err(v2, v1) < 1e-5
     finally:
-        qc.unregister_backend("fake-capture")
+        qc.backends.unregister_backend("fake-capture")

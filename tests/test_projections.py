@@ -13,7 +13,7 @@ from reference import make_linear, randn
 
 
 def _prepared(linear, x):
-    return qc.as_row_projection(linear).prepare(x)
+    return qc.projections.as_row_projection(linear).prepare(x)
 
 
 @pytest.mark.parametrize("bias", [True, False])

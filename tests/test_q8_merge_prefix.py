@@ -43,7 +43,7 @@ def assert_q8_close(deq, x):
 def test_q8_round_trip_shapes_and_dtypes(dtype):
     x = spread(2, 300, 3, 64, seed=1, dtype=dtype)
     before = x.clone()
-    values, scales = qc.quantize_q8(x)
+    values, scales = q8mod.quantize_q8(x)
     assert torch.equal(x, before)  # the input is not changed
     assert values.shape == x.shape and values.dtype == torch.int8
     assert scales.shape == (2, 300, 3, 2) and scales.dtype == torch.float16
@@ -52,18 +52,18 @@ def test_q8_round_trip_shapes_and_dtypes(dtype):
     want = (group_max(x).squeeze(-1) / 127).to(torch.float16)
     assert torch.allclose(scales.double(), want.double(), rtol=2 ** -10, atol=0)
     for out_dtype in (torch.float32, torch.bfloat16):
-        deq = qc.dequantize_q8(values, scales, out_dtype)
+        deq = q8mod.dequantize_q8(values, scales, out_dtype)
         assert deq.dtype == out_dtype and deq.shape == x.shape
         if out_dtype == torch.float32:
             assert_q8_close(deq, x)
-    assert qc.dequantize_q8(values, scales).dtype == torch.bfloat16
+    assert q8mod.dequantize_q8(values, scales).dtype == torch.bfloat16
 
 
 def test_q8_zero_group():
     x = torch.zeros(1, 5, 1, 64)
     x[..., 32:] = 1.0
-    values, scales = qc.quantize_q8(x)
-    deq = qc.dequantize_q8(values, scales, torch.float32)
+    values, scales = q8mod.quantize_q8(x)
+    deq = q8mod.dequantize_q8(values, scales, torch.float32)
     assert torch.isfinite(deq).all()
     assert torch.equal(deq[..., :32], torch.zeros(1, 5, 1, 32))
     assert_q8_close(deq, x)
@@ -72,14 +72,14 @@ def test_q8_zero_group():
 def test_q8_chunks_across_4096_token_boundaries():
     assert q8mod.CHUNK_TOKENS == 4096
     x = spread(1, 9000, 2, 64, seed=2)
-    values, scales = qc.quantize_q8(x)
+    values, scales = q8mod.quantize_q8(x)
     # the same as one unchunked pass of the rule
     part = x.unflatten(-1, (-1, 32))
     scale16 = (part.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8).to(torch.float16)
     want = (part / scale16.float().clamp_min(1e-8)).round().clamp(-127, 127).flatten(-2).to(torch.int8)
     assert torch.equal(values, want)
     assert torch.equal(scales, scale16.squeeze(-1))
-    deq = qc.dequantize_q8(values, scales, torch.float32)
+    deq = q8mod.dequantize_q8(values, scales, torch.float32)
     assert_q8_close(deq, x)
     for edge in (4095, 4096, 8191, 8192, 8999):
         assert_q8_close(deq[:, edge:edge + 1], x[:, edge:edge + 1])
@@ -87,17 +87,17 @@ def test_q8_chunks_across_4096_token_boundaries():
 
 def test_dequantize_into_view_with_batch_broadcast():
     x = spread(1, 4200, 2, 32, seed=3)
-    values, scales = qc.quantize_q8(x)
+    values, scales = q8mod.quantize_q8(x)
     joined = torch.full((3, 10 + 4200 + 7, 2, 32), 5.0)
     view = joined[:, 10:10 + 4200]
-    assert qc.dequantize_q8_into(view, values, scales) is view
+    assert q8mod.dequantize_q8_into(view, values, scales) is view
     for b in range(3):
         assert_q8_close(joined[b:b + 1, 10:4210], x)
     assert bool((joined[:, :10] == 5).all()) and bool((joined[:, 4210:] == 5).all())
     # a strided view over heads too (e.g. one head of a buffer)
     buf = torch.zeros(2, 4200, 4, 32, dtype=torch.bfloat16)
-    qc.dequantize_q8_into(buf[:, :, 1:3], values, scales)
-    assert torch.equal(buf[:, :, 1:3].float(), qc.dequantize_q8(values, scales, torch.bfloat16).expand(2, -1, -1, -1)
+    q8mod.dequantize_q8_into(buf[:, :, 1:3], values, scales)
+    assert torch.equal(buf[:, :, 1:3].float(), q8mod.dequantize_q8(values, scales, torch.bfloat16).expand(2, -1, -1, -1)
                        .float())
     assert bool((buf[:, :, 0] == 0).all()) and bool((buf[:, :, 3] == 0).all())
 
@@ -124,7 +124,7 @@ def test_merge_lse_equals_joined_keys(dtype):
     out, lse = o1.to(dtype), l1.float()
     other, other_lse = o2.to(dtype), l2.float()
     other_before, other_lse_before = other.clone(), other_lse.clone()
-    assert qc.merge_lse_(out, lse, other, other_lse) is None
+    assert q8mod.merge_lse_(out, lse, other, other_lse) is None
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert ((out.double() - want).abs().max() / want.abs().max()).item() < tol
     assert ((lse.double() - want_lse).abs().max()).item() < 1e-4
@@ -147,7 +147,7 @@ def test_merge_lse_with_a_part_that_saw_no_keys():
     other[:, :10] = 0.0
     lse[:, :, 10:20] = float("-inf")
     out[:, 10:20] = 0.0
-    qc.merge_lse_(out, lse, other, other_lse)
+    q8mod.merge_lse_(out, lse, other, other_lse)
     assert torch.allclose(out[:, :10].double(), o1[:, :10], rtol=0, atol=1e-6)
     assert torch.allclose(lse[:, :, :10].double(), l1[:, :, :10], rtol=0, atol=1e-5)
     assert torch.allclose(out[:, 10:20].double(), o2[:, 10:20], rtol=0, atol=1e-6)
@@ -155,7 +155,7 @@ def test_merge_lse_with_a_part_that_saw_no_keys():
     assert torch.allclose(lse[:, :, 20:].double(), joined_lse[:, :, 20:], rtol=0, atol=1e-4)
     # neither part saw a key: stays -inf, output zero, nothing NaN
     out2, lse2 = torch.zeros(1, 3, 1, 4), torch.full((1, 1, 3), float("-inf"))
-    qc.merge_lse_(out2, lse2, torch.zeros(1, 3, 1, 4), torch.full((1, 1, 3), float("-inf")))
+    q8mod.merge_lse_(out2, lse2, torch.zeros(1, 3, 1, 4), torch.full((1, 1, 3), float("-inf")))
     assert bool(torch.isneginf(lse2).all()) and torch.equal(out2, torch.zeros(1, 3, 1, 4))
 
 
@@ -180,8 +180,8 @@ def test_cache_prefix_q8_and_notice(caplog):
 
 
 def test_q8_prefix_wraps_without_copy():
-    kq, ks = qc.quantize_q8(spread(30, 2, 64, seed=8).unsqueeze(0))
-    vq, vs = qc.quantize_q8(spread(30, 2, 64, seed=9).unsqueeze(0))
+    kq, ks = q8mod.quantize_q8(spread(30, 2, 64, seed=8).unsqueeze(0))
+    vq, vs = q8mod.quantize_q8(spread(30, 2, 64, seed=9).unsqueeze(0))
     prefix = qc.q8_prefix(kq[0], ks[0], vq[0], vs[0])  # 3-D: batch 1
     assert prefix.k.shape == (1, 30, 2, 64) and prefix.k.data_ptr() == kq.data_ptr()
     assert prefix.v_scale.data_ptr() == vs.data_ptr()

@@ -113,8 +113,8 @@ def make_prefix(kind, batch, kv_heads, tokens=64, seed=11, dtype=torch.float32):
         assert prefix.k.dtype == torch.int8 and not prefix.is_native
         return prefix, qc.dequantize_prefix(prefix, torch.float32)
     if kind == "q8_wrap":  # an archive's q8 tensors, 3-D (no batch)
-        kq, ks = qc.quantize_q8(k[:1])
-        vq, vs = qc.quantize_q8(v[:1])
+        kq, ks = qc.q8.quantize_q8(k[:1])
+        vq, vs = qc.q8.quantize_q8(v[:1])
         prefix = qc.q8_prefix(kq[0], ks[0], vq[0], vs[0])
         return prefix, qc.dequantize_prefix(prefix, torch.float32)
     if kind == "layer":
@@ -591,19 +591,19 @@ def test_group_count_rule(monkeypatch):
 
 
 def test_head_groups():
-    groups = qc.head_groups(8, 2, 2)
+    groups = qc.head_split.head_groups(8, 2, 2)
     assert [(g.q, g.kv, g.mean_squares) for g in groups] == [(range(0, 4), range(0, 1), None),
                                                               (range(4, 8), range(1, 2), None)]
-    assert [g.q for g in qc.head_groups(6)] == [range(0, 6)]
-    groups = qc.head_groups(40, 40, 20)
+    assert [g.q for g in qc.head_split.head_groups(6)] == [range(0, 6)]
+    groups = qc.head_split.head_groups(40, 40, 20)
     assert len(groups) == 20 and groups[-1].q == range(38, 40) and groups[-1].kv == range(38, 40)
     # query head i uses key/value head i // (heads // kv_heads): every group holds whole kv heads
-    for g in qc.head_groups(16, 4, 4):
+    for g in qc.head_split.head_groups(16, 4, 4):
         assert {i // 4 for i in g.q} == set(g.kv)
     with pytest.raises(ValueError, match="must be a multiple of kv_heads"):
-        qc.head_groups(8, 3)
+        qc.head_split.head_groups(8, 3)
     with pytest.raises(ValueError, match="must divide kv_heads"):
-        qc.head_groups(8, 4, 3)
+        qc.head_split.head_groups(8, 4, 3)
     assert qc.HeadGroup(range(1), range(1)).mean_squares is None
 
 

@@ -128,7 +128,7 @@ def test_group_mask():
 
 
 def test_kept_key_groups_and_sum_squares():
-    groups = qc.head_groups(H, H, 4)
+    groups = qc.head_split.head_groups(H, H, 4)
     streams = call_streams()
     assert statistics.kept_key_groups(0.5, streams, groups) == 2
     assert statistics.kept_key_groups(None, streams, groups) == 0

@@ -62,7 +62,7 @@ CHECK = textwrap.dedent("""
 
         def cannot_take(self, q, k, v, mask, softmax_scale):
             return "no mask here" if mask is not None else None
-    qc.register_backend(InterpretedSage())
+    qc.backends.register_backend(InterpretedSage())
     assert qc.backends._REGISTRY["sage-interpreted"].staged_core is not None
     width, heads, tokens = 128, 4, 192
     x = torch.randn(1, tokens, width, generator=g).to(torch.float16)

@@ -64,7 +64,7 @@ class FakeCore(qc.StagedCore):
         out.copy_(result)
 
 
-class FakeBackend(qc.AttentionBackend):
+class FakeBackend(qc.backends.AttentionBackend):
     name = NAME
 
     def __init__(self, core):
@@ -83,9 +83,9 @@ def fake(request):
     log = []
     core = FakeCore(log)
     backend = FakeBackend(core)
-    qc.register_backend(backend)
-    request.addfinalizer(lambda: qc.unregister_backend(NAME))
-    request.addfinalizer(lambda: qc.set_attention_backend("auto"))
+    qc.backends.register_backend(backend)
+    request.addfinalizer(lambda: qc.backends.unregister_backend(NAME))
+    request.addfinalizer(lambda: qc.backends.set_attention_backend("auto"))
     assert NAME in qc.backend_names() and qc.backend_names()[-1] == "sdpa"
     return core
 
@@ -183,7 +183,7 @@ def test_staged_order_and_results(fake, kv_heads, level):
 
 
 def test_staged_by_global_choice_with_norm_v_and_span_norm(fake):
-    qc.set_attention_backend(NAME)
+    qc.backends.set_attention_backend(NAME)
     qp, kp, vp = make_qkv(FEAT, H, D, 4, seed=3)
     x = randn(16, 512, FEAT, seed=4)
     norm, vnorm = SpanningNormRope(H, 4, D), ValueNorm(4)
@@ -365,7 +365,7 @@ def test_native_prefix_goes_to_the_core_by_groups():
     core = NativeFakeCore(log)
     backend = FakeBackend(core)
     backend.name = "fake-native"
-    qc.register_backend(backend)
+    qc.backends.register_backend(backend)
     try:
         qp, kp, vp = make_qkv(FEAT, H, D, seed=33)
         x = randn(2, 4096, FEAT, seed=34)
@@ -385,7 +385,7 @@ def test_native_prefix_goes_to_the_core_by_groups():
         with pytest.raises(ValueError, match="keeps no native prefixes: cache the prefix with native=False"):
             qc.StagedCore().prefix_heads(prefix, range(0, 1))
     finally:
-        qc.unregister_backend("fake-native")
+        qc.backends.unregister_backend("fake-native")
 
 @pytest.mark.parametrize("capability,modules,masked,mode", [
     ((9, 0), {"_qattn_sm90"}, False, "sm90"),

@@ -28,8 +28,8 @@ def env():
 def reuse_runs(env, monkeypatch, request):
     """Registers the fake backend with the pack's runtime; returns the list `run_in_input` appends to."""
     import importlib
-    env.core.register_backend(row_tiled_backend(env.core))
-    request.addfinalizer(lambda: env.core.unregister_backend(NAME))
+    env.core.backends.register_backend(row_tiled_backend(env.core))
+    request.addfinalizer(lambda: env.core.backends.unregister_backend(NAME))
     runtime = importlib.import_module(env.core.__name__ + ".runtime")
     runs, run_in_input = [], runtime.run_in_input
 
