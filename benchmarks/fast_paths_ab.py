@@ -12,7 +12,10 @@ from __future__ import annotations
 import statistics
 from typing import Callable
 
-from ..qkv_core import fast_paths
+try:
+    from ..qkv_core import fast_paths
+except ImportError:   # imported as the runner's own `benchmarks.fast_paths_ab` (the pack's qkv_core is the same module)
+    from qkv_core import fast_paths
 
 ALL, NONE = "all on", "none"
 
