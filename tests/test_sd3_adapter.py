@@ -37,6 +37,12 @@ def env():
     return comfy_env.pack_modules()
 
 
+def sd3_adapter(env):
+    """The SD3 adapter module (nodes/families/sd3.py) of the pack under test."""
+    import importlib
+    return importlib.import_module(env.pack.__name__ + ".nodes.families.sd3")
+
+
 def fill_norms_(module, seed=5):
     """Per-head q/k norm weights near 1 (comfy_env.fill_random_ takes `ln_q.weight` for a bias), and the
     position table (a buffer ComfyUI leaves uninitialised) seeded."""
@@ -120,7 +126,7 @@ def test_block_inputs_are_not_written(env, split_everything):
     from the conditioning, a patches_replace wrapper reading its arguments)."""
     torch = env.torch
     base = sd3_model("sd35_medium")
-    sd3 = env.node.sd3
+    sd3 = sd3_adapter(env)
     config = env.node.QKVConfig(level=3, backend="sdpa", block=True)
     g = torch.Generator().manual_seed(3)
     for index in (0, 2):   # an x_block_self_attn block and the pre_only one
@@ -162,7 +168,7 @@ def test_unknown_argument_and_layout_run_stock(env, split_everything):
     torch = env.torch
     base = sd3_model("sd3_medium")
     block = base.model.diffusion_model.joint_blocks[0]
-    forward_ = env.node.sd3.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
+    forward_ = sd3_adapter(env).block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
     g = torch.Generator().manual_seed(4)
     context, x, c = torch.randn(1, 12, 256, generator=g), torch.randn(1, 64, 256, generator=g), \
         torch.randn(1, 256, generator=g)
