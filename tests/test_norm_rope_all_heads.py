@@ -82,8 +82,8 @@ def test_per_head_norm_rope_all_heads_equals_group_by_group(monkeypatch):
     stream's pass cannot run."""
     import comfy_env
     env = comfy_env.pack_modules()
-    attention = importlib.import_module(env.pack.__name__ + ".nodes.attention")
-    kernels = attention.kernels
+    norm_rope_module = importlib.import_module(env.pack.__name__ + ".nodes.norm_rope")
+    kernels = norm_rope_module.kernels
     ran, worked_out = [], []
 
     class Pass:   # kernels.NormRopePass with the kernel's PyTorch reference
@@ -114,27 +114,27 @@ def test_per_head_norm_rope_all_heads_equals_group_by_group(monkeypatch):
     ranges = [(0, TEXT, norms[0], norms[1]), (TEXT, tokens, norms[2], norms[3])]
     q = torch.randn(B, tokens, HEADS, D, generator=g)
     per_group, whole = q.clone(), q.clone()
-    norm_rope = attention.PerHeadNormRope(ranges, freqs)
+    norm_rope = norm_rope_module.PerHeadNormRope(ranges, freqs)
     for start in range(0, HEADS, 2):
         norm_rope(None, per_group[:, :, start:start + 2].clone(), None)   # each group's keys: a tensor of its own
     assert worked_out == [(B, tokens, 2, D)] and len(ran) == HEADS // 2   # worked out once, run for every group
     for start in range(0, HEADS, 2):
         norm_rope(per_group[:, :, start:start + 2], None, None)
     ran.clear()
-    assert attention.PerHeadNormRope(ranges, freqs).query_all_heads_(whole)
+    assert norm_rope_module.PerHeadNormRope(ranges, freqs).query_all_heads_(whole)
     assert ran == [(tokens, HEADS)]                        # one pass over both streams and every head
     assert torch.equal(whole, per_group)
     # norms with different epsilons: one pass per stream, the same numbers
     norms[2].eps = 1e-5
     per_group, whole = q.clone(), q.clone()
-    norm_rope = attention.PerHeadNormRope(ranges, freqs)
+    norm_rope = norm_rope_module.PerHeadNormRope(ranges, freqs)
     for start in range(0, HEADS, 2):
         norm_rope(per_group[:, :, start:start + 2], None, None)
     ran.clear()
-    assert attention.PerHeadNormRope(ranges, freqs).query_all_heads_(whole)
+    assert norm_rope_module.PerHeadNormRope(ranges, freqs).query_all_heads_(whole)
     assert ran == [(TEXT, HEADS), (IMAGE, HEADS)]
     assert torch.equal(whole, per_group)
     untouched = q.clone()
     other = [(0, TEXT, norms[0], norms[1]), (TEXT, tokens, torch.nn.LayerNorm(D), norms[3])]
-    assert not attention.PerHeadNormRope(other, freqs).query_all_heads_(untouched)
+    assert not norm_rope_module.PerHeadNormRope(other, freqs).query_all_heads_(untouched)
     assert torch.equal(untouched, q)
