@@ -36,9 +36,15 @@ def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 def rope_split_half_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """RoPE on the pairs (i, i + D/2) of each head (ComfyUI's `apply_rope_split_half1` math; LTX's "split"
-    RoPE): a chunk `(B, n, h, D)` rotated by the matrices `freqs` `(B or 1, n, 1 or h, D/2, 2, 2)`; returns
-    the wider dtype of the two (the model's tables have its dtype: it rotates in that)."""
+    """RoPE on the pairs (i, i + R/2) of each head (ComfyUI's `apply_rope_split_half1` math; LTX's "split"
+    RoPE, Cosmos, MiniMax H3): a chunk `(B, n, h, D)` rotated by the matrices `freqs` `(B or 1, n, 1 or h,
+    R/2, 2, 2)`. R = D rotates every channel; R < D (partial rotary, MiniMax H3: 96 of 128) rotates the first R
+    channels and passes the rest through, as comfy-kitchen's `rms_rope_split_half(..., rot_dim=R)` does.
+    Returns the wider dtype of the two (the model's tables have its dtype: it rotates in that)."""
+    rotated = 2 * freqs.shape[-3]
+    if rotated < t.shape[-1]:
+        dtype = torch.promote_types(t.dtype, freqs.dtype)
+        return torch.cat((rope_split_half_rows(t[..., :rotated], freqs), t[..., rotated:].to(dtype)), dim=-1)
     pairs = t.unflatten(-1, (2, -1)).transpose(-2, -1).unsqueeze(-2)   # (B, n, h, D/2, 1, 2)
     out = freqs[..., 0] * pairs[..., 0]
     out.addcmul_(freqs[..., 1], pairs[..., 1])    # (B, n, h, D/2, 2): the rotated first and second halves

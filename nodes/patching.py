@@ -82,13 +82,21 @@ class _ActiveRun:
             logger.info("[QKV] run: memory estimate back to ComfyUI's own (a module ran ComfyUI's forward)")
 
 
-def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None) -> dict:
+def replaced_patches(patcher, own_keys) -> list:
+    """The keys of `own_keys` (the object patches the node installed) whose patch on `patcher` (the model being
+    sampled) is no longer the pack's: another node applied after it replaced them."""
+    return [key for key in own_keys if not compat.is_ours(patcher.object_patches.get(key))]
+
+
+def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None, own_keys=()) -> dict:
     """The run's wrappers by kind. OUTER_SAMPLE: for the length of one sampling run, ComfyUI's activation
     estimate of this model is scaled by what `memory_factor` finds for this run (its memory planning happens
     inside the run, before the weights are loaded); at the end (also after an error or a cancel) the run report
     (`report.RunReport`) is logged and sent to the node `node_id` in the browser. CALC_COND_BATCH: before each
     batch of conds, ComfyUI's estimate is put back once a module ran ComfyUI's own forward
-    (`_ActiveRun.watch`). `adapter` None: the kernel-level patch (ComfyUI's estimate stays)."""
+    (`_ActiveRun.watch`). `adapter` None: the kernel-level patch (ComfyUI's estimate stays). `own_keys`: the
+    object patches the node installed; where another node applied later replaced one of them, that module runs
+    the other node's forward and the run keeps ComfyUI's estimate."""
     active: list[_ActiveRun] = []   # the run in progress (a list: a run inside a run stays apart)
 
     def calc_cond_batch(executor, *args, **kwargs):
@@ -102,8 +110,12 @@ def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, nod
         noise = args[0] if args else kwargs.get("noise")
         shape = getattr(noise, "shape", None)
         diffusion_model = base_model.diffusion_model
+        replaced = replaced_patches(patcher, own_keys)
         if adapter is None:
             factor, why = 1.0, "kernel-level patch: ComfyUI's estimate"
+        elif replaced:
+            factor, why = 1.0, (f"another node replaced {len(replaced)} of the pack's patches ({replaced[0]}"
+                                f"{', ...' if len(replaced) > 1 else ''}): those modules run its forward")
         else:
             factor, why = memory_factor(config, adapter, diffusion_model, shape,
                                         patcher.model_options.get("transformer_options", {}))
@@ -200,7 +212,8 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=Non
         config = family_config(config, adapter)
         adapter.patch(patched, config, report)
     if report.any_patched:
-        for kind, wrapper in make_run_wrappers(config, adapter, report, node_id).items():
+        own_keys = tuple(key for key, value in patched.object_patches.items() if compat.is_ours(value))
+        for kind, wrapper in make_run_wrappers(config, adapter, report, node_id, own_keys).items():
             patched.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
     report.log()
     return patched, report

@@ -286,14 +286,33 @@ def kandinsky5() -> Case:
                 torch.zeros(1, 16, 4, 64, 64), conds, 4)
 
 
+def minimax_h3() -> Case:
+    """MiniMax H3 (one packed sequence [text | audio | video] of batch 1, a fused qkv_proj, per-head RMSNorm q/k and
+    split-half RoPE on part of each head's channels; 4 x 32 x 32 = 4,096 video tokens + 32 audio + 12 text;
+    tests/test_minimax_adapter.py's tiny model). Skipped where ComfyUI has no MiniMax H3 (before v0.33)."""
+    import torch
+    from test_minimax_adapter import TEXT_DIM, has_minimax, minimax_inputs, minimax_model
+    if not has_minimax():
+        pytest.skip("this ComfyUI has no MiniMax H3")
+    import comfy.nested_tensor
+    patcher = minimax_model(dict(__import__("test_minimax_adapter").CONFIG, num_layers=1))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {}]], [[torch.randn(1, 12, TEXT_DIM, generator=g), {}]])
+    latent = comfy.nested_tensor.NestedTensor([torch.zeros(1, 24, 4, 64, 64), torch.zeros(1, 32, 2, 16)])
+    return Case(patcher, lambda: minimax_inputs(torch, video=(1, 24, 4, 64, 64), audio_frames=16),
+                "diffusion_model.blocks.0.attn.qkv_proj.weight", latent, conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
          "kandinsky5": kandinsky5, "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
-         "hidream": hidream}
+         "hidream": hidream, "minimax_h3": minimax_h3}
 # each case's adapter module (nodes/families/<name>.py): together they cover every family of the registry
 # (nodes/families/__init__.py; tests/test_family_contract.py checks it)
 ADAPTER_MODULES = {"wan": "wan", "flux": "flux", "hunyuan_video": "flux", "qwen_image": "qwen_image",
                    "lumina2": "lumina", "kandinsky5": "kandinsky5", "ltx_video": "ltx", "sd3": "sd3",
-                   "cosmos_predict2": "cosmos", "hidream": "hidream"}
+                   "cosmos_predict2": "cosmos", "hidream": "hidream", "minimax_h3": "minimax"}
 
 
 def case(name: str) -> Optional[Case]:

@@ -97,6 +97,12 @@ def _forward(case, applied=None, weights=False):
 
 
 def rel_err(a, b):
+    """max |a - b| / max |b|; the largest over the streams of a model with several outputs (MiniMax H3's video and
+    audio, a list or a nested latent)."""
+    if getattr(b, "is_nested", False):
+        a, b = a.unbind(), b.unbind()
+    if isinstance(b, (list, tuple)):
+        return max(rel_err(x, y) for x, y in zip(a, b))
     return float((a - b).abs().max() / b.abs().max())
 
 
@@ -119,7 +125,7 @@ def test_patched_equals_stock_at_every_level(env, family):
             assert rel_err(out, reference) <= 1e-5, (family, level, bounds, rel_err(out, reference))
             groups = env.core.group_count(case.kv_heads, 10**6, LEVELS.index(level))
             assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, level, spy.self_heads)
-    assert env.torch.equal(_forward(case), reference)   # the unpatched model is stock again
+    assert rel_err(_forward(case), reference) == 0   # the unpatched model is stock again
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
@@ -271,7 +277,8 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
     case = family_cases.case(family)
     model = case.patcher.model.diffusion_model
-    shape = tuple(case.inputs()["x"].shape)
+    x = case.inputs()["x"]
+    shape = tuple((x[0] if isinstance(x, list) else x).shape)   # MiniMax H3: [video, audio], the video's
     tokens = adapter.tokens_per_item(model, shape)
     with comfy_env.SdpaHeads(env.torch) as stock_spy:
         _forward(case)

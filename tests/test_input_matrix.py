@@ -187,6 +187,13 @@ def kandinsky5_inputs(torch, cond, model, size=1):
                 y=t.pooled)
 
 
+def minimax_inputs(torch, cond, model, size=1):
+    from test_minimax_adapter import TEXT_DIM
+    t, _ = text(torch, cond, 1, TEXT_DIM)   # batch 1: ComfyUI runs H3's cond and uncond apart
+    return dict(x=[_latent(torch, 1, 24, 2, 24 * size, 24 * size), _latent(torch, 1, 32, 2, 8, seed=3)],
+                timestep=torch.tensor([600.0]), context=t.context)
+
+
 # ----------------------------------------------------------------------------------------------- families
 
 def _case_model(name):
@@ -202,6 +209,13 @@ def _kandinsky5():
         pytest.skip("this ComfyUI has no Kandinsky 5")
     from test_kandinsky5_adapter import VIDEO, kandinsky_model
     return kandinsky_model(dict(VIDEO, num_visual_blocks=1))
+
+
+def _minimax():
+    from test_minimax_adapter import has_minimax, minimax_model
+    if not has_minimax():
+        pytest.skip("this ComfyUI has no MiniMax H3")
+    return minimax_model()
 
 
 class Family(NamedTuple):
@@ -228,6 +242,7 @@ FAMILIES = {
     "cosmos_predict2": Family(_case_model("cosmos_predict2"), cosmos_inputs, "cosmos", 4),
     "hidream": Family(_case_model("hidream"), hidream_inputs, "hidream", 4),
     "kandinsky5": Family(_kandinsky5, kandinsky5_inputs, "kandinsky5", 4),
+    "minimax_h3": Family(_minimax, minimax_inputs, "minimax", 4),
 }
 
 # every format with the zeroed negative; every conditioning in bf16 and fp8-scaled (see the module docstring)
@@ -322,6 +337,12 @@ def _on(inputs, device):
     return {k: move(v) for k, v in inputs.items()}
 
 
+def _joined(out):
+    """A model's output as one tensor: MiniMax H3's [video, audio] flattened and joined."""
+    import torch
+    return torch.cat([t.flatten() for t in out]) if isinstance(out, (list, tuple)) else out
+
+
 def _distance(a, b):
     return float((a.double() - b.double()).norm())
 
@@ -352,6 +373,7 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
         with SelfAttentionCalls(torch) as spy:
             ours = comfy_env.model_forward(patcher, inputs, applied=patched)
         notices = env.core.drain_notices()
+    stock, reference, ours = (_joined(out) for out in (stock, reference, ours))
     fallbacks = [line for line in notices if "runs as ComfyUI's own" in line]
     assert not fallbacks, (row, fallbacks)
     group = (spec.heads or spec.kv_heads) // env.core.group_count(spec.kv_heads, 10**6, 3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import cosmos, flux, hidream, kandinsky5, ltx, lumina, qwen_image, sd3, wan
+from . import cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, qwen_image, sd3, wan
 
 
 class Registered(NamedTuple):
@@ -32,6 +32,7 @@ FAMILIES = (
     Registered("sd3", sd3, ("SD3.5",)),
     Registered("cosmos", cosmos, ("Cosmos",)),
     Registered("hidream", hidream, ("HiDream",)),
+    Registered("minimax", minimax, ("MiniMax H3",)),
 )
 
 ADAPTERS = tuple(family.adapter for family in FAMILIES)

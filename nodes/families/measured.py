@@ -177,6 +177,10 @@ TABLE = {
         {"block": cpu_block(15.35, 2.30, "tests/test_hidream_adapter.py (double block: 2.45 x |x| at 16 groups, the "
                                          "split attention's peak; its bounded mixture of experts 2.25 x |x| with "
                                          "the output)", setup=f"{CPU_BLOCK}, 4 experts")}),
+    # Not measured yet on a whole model: ComfyUI's own estimate.
+    "minimax": Measured(
+        whole_model(1.0, 1.0, "MiniMax H3: not measured on a whole model; ComfyUI's own estimate"),
+        {"block": cpu_block(10.0, 2.04, "tests/test_minimax_adapter.py (16 groups: 2.19 x |x|)")}),
 }
 
 
