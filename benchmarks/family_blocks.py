@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..nodes.families import flux, hidream, qwen_image, wan
+from ..nodes.families import flux, hidream, minimax, qwen_image, wan
 from ..nodes.dispatch import QKVConfig, family_config
 from ..qkv_core import parse_level
 from . import fast_paths_ab as ab
@@ -187,6 +187,38 @@ def wan_case(grid: tuple):
     return build
 
 
+def minimax_case(latent_t: int, rows: int, columns: int, audio_rows: int, text_tokens: int = 512):
+    """MiniMax H3's `DiTBlock` (hidden 5376, 56 heads of 128 with RoPE on 96 channels, SwiGLU FFN of 14336) on
+    one packed sequence [text | audio | video] of `latent_t` x `rows` x `columns` video patches, `audio_rows`
+    stereo audio rows and `text_tokens`, as `MiniMaxH3Model` calls it (two timesteps: video/text and audio)."""
+    def build(device, dtype):
+        import comfy.ldm.minimax.model as minimax_model
+        import comfy.ops
+        width, heads, head_dim = 5376, 56, 128
+        block = minimax_model.DiTBlock(width, heads, head_dim, 14336, 2688, 1e-5, 1e-5, dtype=dtype, device=device,
+                                       operations=comfy.ops.disable_weight_init)
+        g = torch.Generator(device=device).manual_seed(0)
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                if p.dim() >= 2:
+                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+                else:
+                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+        block.requires_grad_(False)
+        video = latent_t * rows * columns
+        tokens = text_tokens + audio_rows + video
+        g = torch.Generator(device="cpu").manual_seed(1)
+        positions = torch.rand(tokens, 48, generator=g) * 64   # angles of the three axes' 16 frequencies
+        rope = minimax_model.rope_rotation_table(torch.cat((positions, positions), dim=-1).to(device), dtype)
+        segments = [(0, text_tokens, 1), (text_tokens, text_tokens + audio_rows, 5), (text_tokens + audio_rows,
+                                                                                       tokens, 0)]
+        inputs = dict(x=torch.randn(tokens, width, generator=g).to(device=device, dtype=dtype),
+                      t_emb=torch.randn(2, 2688, generator=g).to(device=device, dtype=dtype),
+                      mod_segments=segments, rope_freqs=rope, transformer_options={})
+        return block.eval(), inputs, "x", minimax.block_forward
+    return build
+
+
 HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
 CASES = {case.name: case for case in (
     Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
@@ -216,6 +248,11 @@ CASES = {case.name: case for case in (
     Case("wan-block-480p", "Wan 2.x 14B block, 832x480 x 81 frames (32,760 tokens + 512 text)", wan_case((21, 30, 52))),
     Case("wan-block-720p", "Wan 2.x 14B block, 1280x720 x 81 frames (75,600 tokens + 512 text)",
          wan_case((21, 45, 80))),
+    # MiniMax H3 at its default canvas, 1344x768 (42 x 24 patches a latent frame), 24 fps with 40 Hz stereo audio
+    Case("minimax-1344x768x124", "MiniMax H3 block, 1344x768 x 124 frames (31,248 video + 414 audio + 512 text)",
+         minimax_case(31, 24, 42, 414)),
+    Case("minimax-1344x768x362", "MiniMax H3 block, 1344x768 x 362 frames (91,728 video + 1,206 audio + 512 text)",
+         minimax_case(91, 24, 42, 1206)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",

@@ -26,19 +26,20 @@ class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
     0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
     tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
-    with 0); `floor_scale`, `short_runs_stock`: the family's multiple of the runtime's floor and whether its
-    calls under that floor run ComfyUI's own forwards (`family_config`). `policy`: all of it as one
-    `SplitPolicy`, what every split decision asks."""
+    with 0); `floor_scale`, `short_runs_stock`, `group_scale`: the family's multiple of the runtime's floor,
+    whether its calls under that floor run ComfyUI's own forwards and its multiple of the level's head groups
+    (`family_config`). `policy`: all of it as one `SplitPolicy`, what every split decision asks."""
     level: int
     backend: str
     block: bool
     split_floor: Optional[int] = None
     floor_scale: float = 1
     short_runs_stock: bool = False
+    group_scale: float = 1
 
     @property
     def policy(self) -> SplitPolicy:
-        return SplitPolicy(self.level, self.split_floor, self.floor_scale, self.short_runs_stock)
+        return SplitPolicy(self.level, self.split_floor, self.floor_scale, self.short_runs_stock, self.group_scale)
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
@@ -147,9 +148,11 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
 
 def family_config(config, adapter):
     """`config` with the family's split policy: its floor `adapter.SPLIT_FLOOR_SCALE` times the runtime's, for
-    families whose forwards are bound by the host's launches on shorter sequences, and `adapter.SHORT_RUNS_STOCK`
-    (its row of nodes/families/measured.py; 1 and False without an adapter)."""
-    scale, stock = (adapter.SPLIT_FLOOR_SCALE, adapter.SHORT_RUNS_STOCK) if adapter is not None else (1, False)
-    if (config.floor_scale, config.short_runs_stock) == (scale, stock):
+    families whose forwards are bound by the host's launches on shorter sequences, `adapter.SHORT_RUNS_STOCK` and
+    its multiple of the level's head groups `adapter.GROUP_SCALE` (its row of nodes/families/measured.py; 1,
+    False and 1 without an adapter)."""
+    wanted = (adapter.SPLIT_FLOOR_SCALE, adapter.SHORT_RUNS_STOCK, adapter.GROUP_SCALE) if adapter is not None \
+        else (1, False, 1)
+    if (config.floor_scale, config.short_runs_stock, config.group_scale) == wanted:
         return config
-    return config._replace(floor_scale=scale, short_runs_stock=stock)
+    return config._replace(floor_scale=wanted[0], short_runs_stock=wanted[1], group_scale=wanted[2])

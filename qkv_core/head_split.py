@@ -163,12 +163,14 @@ class SplitPolicy(NamedTuple):
     `level`: 0-3 (Off-High). `floor_tokens`: the fewest tokens of one batch item that are split; None:
     `SPLIT_FLOOR_TOKENS` (read at each call) times `floor_scale`, the family's multiple of it where its split
     forwards are bound by the host's launches on shorter sequences. `short_runs_stock`: the family's calls under
-    the floor run ComfyUI's own forwards."""
+    the floor run ComfyUI's own forwards. `group_scale`: the level's target count of groups times this, for a
+    family whose attention is wider than its hidden state (runtime option `head_split_group_scale`)."""
 
     level: int = DEFAULT_LEVEL
     floor_tokens: Optional[int] = None
     floor_scale: float = 1
     short_runs_stock: bool = False
+    group_scale: float = 1
 
     @property
     def floor(self) -> int:
@@ -183,7 +185,7 @@ class SplitPolicy(NamedTuple):
         cross-attention the longer sequence): `split_plan` at this level and floor. `over_queries`: its groups
         are attended over their queries, so the level's peak takes `OVER_QUERIES_GROUP_SCALE` of its groups."""
         plan = split_plan(kv_heads, tokens, self.level, self.floor, split_heads, unsliceable,
-                          OVER_QUERIES_GROUP_SCALE if over_queries else 1.0)
+                          self.group_scale * (OVER_QUERIES_GROUP_SCALE if over_queries else 1.0))
         return plan._replace(share=OVER_QUERIES_GROUP_SCALE) if over_queries and plan.groups > 1 else plan
 
     def splits(self, kv_heads: int, tokens: int) -> bool:
@@ -200,12 +202,17 @@ class SplitPolicy(NamedTuple):
         options = {"head_split_level": self.level}
         if self.floor_tokens is not None or self.floor_scale != 1:
             options["split_floor_tokens"] = self.floor
+        if self.group_scale != 1:
+            options["head_split_group_scale"] = self.group_scale
         return options
 
     @classmethod
-    def of_call(cls, level: Optional[Level], floor_tokens: Optional[int]) -> "SplitPolicy":
-        """The policy of a runtime call's options `head_split_level` and `split_floor_tokens` (None: defaults)."""
-        return cls(DEFAULT_LEVEL if level is None else parse_level(level), floor_tokens)
+    def of_call(cls, level: Optional[Level], floor_tokens: Optional[int],
+                group_scale: Optional[float] = None) -> "SplitPolicy":
+        """The policy of a runtime call's options `head_split_level`, `split_floor_tokens` and
+        `head_split_group_scale` (None: defaults)."""
+        return cls(DEFAULT_LEVEL if level is None else parse_level(level), floor_tokens,
+                   group_scale=1 if group_scale is None else group_scale)
 
 
 def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:

@@ -59,6 +59,10 @@ class AttentionOptions:
         The fraction (0 to 1) of groups whose keys the statistics pass keeps for them (with `norm_spans_heads`).
     split_floor_tokens : int, optional
         The fewest query tokens of one batch item that are split. Default `SPLIT_FLOOR_TOKENS`.
+    head_split_group_scale : float, optional
+        The level's target count of head groups times this (a number >= 1): for a model whose attention is
+        wider than its hidden state (MiniMax H3: 7168 over 5376), the output buffer of every head takes more
+        of the level's budget and each group must hold less. Default 1.
     capture_kv : tuple, optional
         ``(layer, start, stop)``: the keys and values of key/value tokens ``[start, stop)``, as attention sees
         them, stored into `layer` (a `PrefixLayer`) for later calls' `kv_prefix`.
@@ -83,6 +87,7 @@ class AttentionOptions:
     norm_key_into: Optional[Callable] = None
     keep_keys: Optional[float] = None
     split_floor_tokens: Optional[int] = None
+    head_split_group_scale: Optional[float] = None
     capture_kv: Optional[tuple] = None
     reuse_input: Optional[bool] = None
 

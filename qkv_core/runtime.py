@@ -153,7 +153,7 @@ class _Call:
     @property
     def policy(self) -> SplitPolicy:
         """The call's split policy, from its options `head_split_level` and `split_floor_tokens`."""
-        return SplitPolicy.of_call(self.o.head_split_level, self.o.split_floor_tokens)
+        return SplitPolicy.of_call(self.o.head_split_level, self.o.split_floor_tokens, self.o.head_split_group_scale)
 
     def plan_groups(self, over_queries: bool = False) -> list[HeadGroup]:
         """The call's groups of heads, their count from its `SplitPolicy` (the longer of the q and kv sequences, of

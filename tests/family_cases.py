@@ -305,14 +305,32 @@ def minimax_h3() -> Case:
                 "diffusion_model.blocks.0.attn.qkv_proj.weight", latent, conds, 4)
 
 
+def cogvideox() -> Case:
+    """CogVideoX (one joint [text | video] sequence through the block's own q/k/v, per-head LayerNorms, RoPE on the
+    video tokens; 2 x (4 x 32 x 32 = 4,096 + 12) tokens; tests/test_cogvideox_adapter.py's tiny model). Skipped
+    where ComfyUI has no CogVideoX (before v0.33)."""
+    import torch
+    from test_cogvideox_adapter import CONFIG, TEXT_DIM, cogvideox_inputs, cogvideox_model, has_cogvideox
+    if not has_cogvideox():
+        pytest.skip("this ComfyUI has no CogVideoX")
+    patcher = cogvideox_model(dict(CONFIG, num_layers=1))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {}]], [[torch.randn(1, 12, TEXT_DIM, generator=g), {}]])
+    return Case(patcher, lambda: cogvideox_inputs(torch, latent=(2, 16, 4, 64, 64)), "diffusion_model.blocks.0.k.weight",
+                torch.zeros(1, 16, 4, 64, 64), conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
          "kandinsky5": kandinsky5, "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
-         "hidream": hidream, "minimax_h3": minimax_h3}
+         "hidream": hidream, "minimax_h3": minimax_h3, "cogvideox": cogvideox}
 # each case's adapter module (nodes/families/<name>.py): together they cover every family of the registry
 # (nodes/families/__init__.py; tests/test_family_contract.py checks it)
 ADAPTER_MODULES = {"wan": "wan", "flux": "flux", "hunyuan_video": "flux", "qwen_image": "qwen_image",
                    "lumina2": "lumina", "kandinsky5": "kandinsky5", "ltx_video": "ltx", "sd3": "sd3",
-                   "cosmos_predict2": "cosmos", "hidream": "hidream", "minimax_h3": "minimax"}
+                   "cosmos_predict2": "cosmos", "hidream": "hidream", "minimax_h3": "minimax",
+                   "cogvideox": "cogvideox"}
 
 
 def case(name: str) -> Optional[Case]:

@@ -63,7 +63,7 @@ def test_the_cases_cover_every_registered_family(env):
 
 
 def test_measured_constants_come_from_one_table(env):
-    """Every family's MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE and SHORT_RUNS_STOCK are its row of
+    """Every family's MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK and GROUP_SCALE are its row of
     nodes/families/measured.py, and every row cites sections of docs/benchmarks.md that exist."""
     import re
     families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
@@ -73,7 +73,7 @@ def test_measured_constants_come_from_one_table(env):
     for family in families.FAMILIES:
         row, adapter = measured.TABLE[family.module], family.adapter
         assert (adapter.MEMORY_FACTORS, adapter.WORKING_SETS, adapter.SPLIT_FLOOR_SCALE,
-                adapter.SHORT_RUNS_STOCK) == row.constants(), family.module
+                adapter.SHORT_RUNS_STOCK, adapter.GROUP_SCALE) == row.constants(), family.module
         for where in row.anchors():
             path, _, anchor = where.partition("#")
             assert path == "docs/benchmarks.md" and anchor in anchors, (family.module, where)

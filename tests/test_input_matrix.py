@@ -194,6 +194,13 @@ def minimax_inputs(torch, cond, model, size=1):
                 timestep=torch.tensor([600.0]), context=t.context)
 
 
+def cogvideox_inputs(torch, cond, model, size=1):
+    from test_cogvideox_adapter import TEXT_DIM
+    t, _ = text(torch, cond, 2, TEXT_DIM)
+    return dict(x=_latent(torch, 2, 16, 2, 24 * size, 24 * size), timestep=torch.tensor([500.0, 500.0]),
+                context=t.context)
+
+
 # ----------------------------------------------------------------------------------------------- families
 
 def _case_model(name):
@@ -216,6 +223,13 @@ def _minimax():
     if not has_minimax():
         pytest.skip("this ComfyUI has no MiniMax H3")
     return minimax_model()
+
+
+def _cogvideox():
+    from test_cogvideox_adapter import CONFIG, cogvideox_model, has_cogvideox
+    if not has_cogvideox():
+        pytest.skip("this ComfyUI has no CogVideoX")
+    return cogvideox_model(dict(CONFIG, num_layers=1))
 
 
 class Family(NamedTuple):
@@ -243,6 +257,7 @@ FAMILIES = {
     "hidream": Family(_case_model("hidream"), hidream_inputs, "hidream", 4),
     "kandinsky5": Family(_kandinsky5, kandinsky5_inputs, "kandinsky5", 4),
     "minimax_h3": Family(_minimax, minimax_inputs, "minimax", 4),
+    "cogvideox": Family(_cogvideox, cogvideox_inputs, "cogvideox", 4),
 }
 
 # every format with the zeroed negative; every conditioning in bf16 and fp8-scaled (see the module docstring)

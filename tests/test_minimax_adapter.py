@@ -66,6 +66,30 @@ def minimax_inputs(torch, video=(1, 24, 3, 16, 16), audio_frames=8, text_tokens=
                 context=torch.randn(1, text_tokens, TEXT_DIM, generator=g) if context is None else context)
 
 
+def _groups(env, heads: int, level: int) -> int:
+    """The head groups of a long H3 call at `level` (0-3), with the family's `GROUP_SCALE`."""
+    return env.core.SplitPolicy(level, 0, group_scale=env.minimax.GROUP_SCALE).plan(heads, 10**6).groups
+
+
+def test_twice_the_levels_groups(env):
+    """H3's attention is 1.33x its hidden width: the family splits into twice the level's head groups (56 heads
+    at High: 28 of 2, where a family of the level's own target takes 14 of 4), as the runtime's call options,
+    the planner's policy and the validation of the runtime's option say."""
+    dispatch = importlib.import_module(env.pack.__name__ + ".nodes.dispatch")
+    config = dispatch.family_config(dispatch.QKVConfig(3, "sdpa", True), env.minimax)
+    assert env.minimax.GROUP_SCALE == 2 and config.group_scale == 2
+    assert config.policy.plan(56, 40000).groups == 28
+    assert env.core.SplitPolicy(3).plan(56, 40000).groups == 14
+    assert config.policy.call_options()["head_split_group_scale"] == 2
+    assert dispatch.family_config(dispatch.QKVConfig(3, "sdpa", True), None).policy.call_options() == \
+        {"head_split_level": 3}
+    torch = env.torch
+    x = torch.randn(1, 64, 8 * 16)
+    proj = [torch.nn.Linear(128, 128, bias=False) for _ in range(3)]
+    with torch.no_grad(), pytest.raises(ValueError, match="head_split_group_scale"):
+        env.core.qkv_attention([x], *proj, 8, 16, head_split_group_scale=0.5)
+
+
 def test_equals_stock_at_every_level(env, split_everything):
     torch = env.torch
     base = minimax_model()
@@ -85,7 +109,7 @@ def test_equals_stock_at_every_level(env, split_everything):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(heads, 10**6, LEVELS.index(level), floor=0)
+            groups = _groups(env, heads, LEVELS.index(level))
             assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert rel_err(forward(base, inputs), reference) == 0   # the unpatched model is stock again
 
@@ -221,7 +245,7 @@ def test_kj_low_vram_attention_after_the_pack(env, split_everything):
     assert not stock_fallbacks(env)
     assert kj.calls["block"] == len(model.blocks) and kj.calls["attention"] == 0   # the pack's attention ran
     heads = model.blocks[0].attn.heads
-    assert set(spy.self_heads) - {heads} == {heads // env.core.group_count(heads, 10**6, 1, floor=0)}, spy.self_heads
+    assert set(spy.self_heads) - {heads} == {heads // _groups(env, heads, 1)}, spy.self_heads
     assert rel_err(out, reference) <= 1e-5
     patching = importlib.import_module(env.pack.__name__ + ".nodes.patching")
     own = tuple(key for key, value in patched.object_patches.items() if env.compat.is_ours(value))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, qwen_image, sd3, wan
+from . import cogvideox, cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, qwen_image, sd3, wan
 
 
 class Registered(NamedTuple):
@@ -33,6 +33,7 @@ FAMILIES = (
     Registered("cosmos", cosmos, ("Cosmos",)),
     Registered("hidream", hidream, ("HiDream",)),
     Registered("minimax", minimax, ("MiniMax H3",)),
+    Registered("cogvideox", cogvideox, ("CogVideoX",)),
 )
 
 ADAPTERS = tuple(family.adapter for family in FAMILIES)

@@ -38,6 +38,8 @@ class FamilyAdapter(Protocol):
     SPLIT_FLOOR_SCALE: float         # the family's split floor as a multiple of the runtime's (>= 1,
     # `dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
     SHORT_RUNS_STOCK: bool           # calls under that floor run ComfyUI's own forwards (the planner counts stock's)
+    GROUP_SCALE: float               # the level's head groups times this (>= 1): a family whose attention is wider
+    # than its hidden state holds the output buffer of every head beside its input (`dispatch.family_config`)
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""
@@ -68,7 +70,7 @@ def check_adapter(adapter) -> None:
     order (factors, working sets, the split floor's scale, the short-runs flag)."""
     missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "WORKING_SETS", "matches", "patch", "stock_functions",
                                  "tokens_per_item", "kv_heads", "splits_projections", "block_kinds",
-                                 "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK")
+                                 "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "GROUP_SCALE")
                if not hasattr(adapter, name)]
     if missing:
         raise TypeError(f"{getattr(adapter, '__name__', adapter)!s} is not a family adapter: it lacks "
@@ -83,6 +85,10 @@ def check_adapter(adapter) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1:
         raise ValueError(f"{adapter.FAMILY}: SPLIT_FLOOR_SCALE must be a number >= 1 (a multiple of the runtime's "
                          f"split floor), got {scale!r}")
+    group_scale = adapter.GROUP_SCALE
+    if isinstance(group_scale, bool) or not isinstance(group_scale, (int, float)) or not group_scale >= 1:
+        raise ValueError(f"{adapter.FAMILY}: GROUP_SCALE must be a number >= 1 (a multiple of the level's head "
+                         f"groups), got {group_scale!r}")
     if not isinstance(adapter.SHORT_RUNS_STOCK, bool):
         raise ValueError(f"{adapter.FAMILY}: SHORT_RUNS_STOCK must be True or False, got {adapter.SHORT_RUNS_STOCK!r}")
 

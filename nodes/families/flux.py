@@ -30,7 +30,7 @@ from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, stream_rows, unsliceable_projection
 
 FAMILY = "Flux"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("flux")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("flux")
 
 DOUBLE = AttentionForm(streams=(
     StreamProjections(fused="txt_attn.qkv", norm_q="txt_attn.norm.query_norm", norm_k="txt_attn.norm.key_norm"),

@@ -37,7 +37,7 @@ from . import measured
 from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Kandinsky5"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("kandinsky5")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("kandinsky5")
 # The text blocks' self-attention is patched, the visual blocks bounded whole (their parts: every child).
 SPEC = Family(FAMILY, "kandinsky5", (BlockList("text_transformer_blocks"), BlockList("visual_transformer_blocks")),
               patch_default=(1, 2, 2), kv_heads_at="block.self_attention.num_heads",

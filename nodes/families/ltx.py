@@ -43,7 +43,7 @@ from . import measured
 from .family import BlockList, Family, probe_heads
 
 FAMILY = "LTX"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("ltx")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("ltx")
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
 FORMS = {kind: AttentionForm(streams=(STREAM,), norm=NORM_SPANS_HEADS, rope=kind)

@@ -39,7 +39,7 @@ from . import measured
 from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Lumina2"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("lumina")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("lumina")
 
 NORMED = AttentionForm(streams=(StreamProjections(fused="qkv", norm_q="q_norm", norm_k="k_norm"),),
                        norm=NORM_PER_HEAD, rope=ROPE_PAIRS)

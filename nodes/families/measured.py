@@ -68,19 +68,24 @@ class Measured:
     peak (CPU MemTracker: `working_sets_where`). `split_floor_scale`: the family's split floor as a multiple of the
     runtime's (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter
     sequences; `short_runs_stock`: calls whose sequences are all under that floor run ComfyUI's own forwards
-    (`compat.guard_module`; the planner then counts stock's peak there): both measured where `floor_where` says."""
+    (`compat.guard_module`; the planner then counts stock's peak there): both measured where `floor_where` says.
+    `group_scale`: the level's target count of head groups times this (`SplitPolicy.group_scale`), for a family
+    whose attention is wider than its hidden state: the output buffer of every head then takes more of the
+    level's peak, and each group must hold less (measured where `working_sets_where` says)."""
 
     memory_factors: MemoryFactors
     working_sets: dict
     split_floor_scale: float = 1
     short_runs_stock: bool = False
+    group_scale: float = 1
     memory_where: str = f"{BENCHMARKS}#family-models"
     working_sets_where: str = f"{BENCHMARKS}#planner"
     floor_where: str = f"{BENCHMARKS}#split-floors"
 
     def constants(self) -> tuple:
-        """(MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK): the adapter contract's names."""
-        return self.memory_factors, self.working_sets, self.split_floor_scale, self.short_runs_stock
+        """(MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE): the adapter contract's
+        names."""
+        return self.memory_factors, self.working_sets, self.split_floor_scale, self.short_runs_stock, self.group_scale
 
     def anchors(self) -> tuple:
         """Every `docs/benchmarks.md#anchor` the row cites."""
@@ -177,16 +182,23 @@ TABLE = {
         {"block": cpu_block(15.35, 2.30, "tests/test_hidream_adapter.py (double block: 2.45 x |x| at 16 groups, the "
                                          "split attention's peak; its bounded mixture of experts 2.25 x |x| with "
                                          "the output)", setup=f"{CPU_BLOCK}, 4 experts")}),
-    # Not measured yet on a whole model: ComfyUI's own estimate.
+    # Twice the level's head groups: its attention (56 heads of 128) is 1.33x its hidden width (5376), so the
+    # output buffer of every head and the modulated input held beside it take 2.33 |x|; a block of 31,248 video
+    # tokens on an H200 held 2.62 x |x| in High's 14 groups. Not measured on a whole model: ComfyUI's own estimate.
     "minimax": Measured(
         whole_model(1.0, 1.0, "MiniMax H3: not measured on a whole model; ComfyUI's own estimate"),
-        {"block": cpu_block(10.0, 2.04, "tests/test_minimax_adapter.py (16 groups: 2.19 x |x|)")}),
+        {"block": cpu_block(10.0, 2.04, "tests/test_minimax_adapter.py (16 groups: 2.19 x |x|)")},
+        group_scale=2),
+    # The runtime's own floor. Not measured on a whole model: ComfyUI's own estimate.
+    "cogvideox": Measured(
+        whole_model(1.0, 1.0, "CogVideoX: not measured on a whole model; ComfyUI's own estimate"),
+        {"block": cpu_block(18.3, 2.34, "tests/test_cogvideox_adapter.py (16 groups: 2.49 x |x|, with RoPE)")}),
 }
 
 
 def constants(module: str) -> tuple:
     """The row of the family whose adapter is `nodes/families/<module>.py`, as its contract names:
-    `MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("wan")`."""
+    `MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("wan")`."""
     return TABLE[module].constants()
 
 

@@ -44,7 +44,7 @@ from . import measured
 from .family import BlockList, Family, layout, probe_heads, probe_part
 
 FAMILY = "MiniMax H3"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("minimax")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("minimax")
 
 FORM = AttentionForm(streams=(StreamProjections(fused="qkv_proj", norm_q="q_norm", norm_k="k_norm"),),
                      norm=NORM_PER_HEAD, rope=ROPE_SPLIT_HALF)

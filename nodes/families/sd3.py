@@ -34,7 +34,7 @@ from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, stream_rows
 
 FAMILY = "SD3"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("sd3")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("sd3")
 
 # One stream of a `SelfAttention`: fused [q, k, v] and its per-head norms (names inside the SelfAttention).
 STREAM = StreamProjections(fused="qkv", norm_q="ln_q", norm_k="ln_k")

@@ -30,7 +30,7 @@ from . import measured
 from .family import BlockList, Family, probe_linear
 
 FAMILY = "Wan"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK = measured.constants("wan")
+MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("wan")
 
 
 def _norm_ok(module, name: str, dim: int) -> Optional[str]:
