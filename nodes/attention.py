@@ -21,9 +21,10 @@ import torch
 from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention
 from .comfy_ops import ComfyLinearRows
 from .dispatch import attention_kwargs
-from .norm_rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_KINDS,
-                        ROPE_PAIRS, ROPE_SPLIT_HALF, PerHeadNormRope, SpanningNormRope, rope_cos_sin_halves_rows,
-                        rope_cos_sin_rows, rope_rows, rope_split_half_rows, rotate_rows)
+from .norm_rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, PER_HEAD_ROPE_KINDS, ROPE_COS_SIN,
+                        ROPE_COS_SIN_HALVES, ROPE_COS_SIN_PAIRS, ROPE_KINDS, ROPE_PAIRS, ROPE_SPLIT_HALF,
+                        PerHeadNormRope, SpanningNormRope, rope_cos_sin_halves_rows, rope_cos_sin_rows, rope_rows,
+                        rope_split_half_rows, rotate_rows)
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 
@@ -115,8 +116,11 @@ class AttentionForm:
             raise ValueError(f"norm must be one of {NORM_KINDS}, not {self.norm!r}")
         if self.rope not in ROPE_KINDS:
             raise ValueError(f"rope must be one of {ROPE_KINDS}, not {self.rope!r}")
-        if self.norm == NORM_PER_HEAD and self.rope not in (None, ROPE_PAIRS, ROPE_SPLIT_HALF):
-            raise ValueError(f"a per-head norm takes pair RoPE (or split-half) here, not {self.rope!r}")
+        if self.norm == NORM_PER_HEAD and self.rope not in (None,) + PER_HEAD_ROPE_KINDS:
+            raise ValueError(f"a per-head norm takes one of the RoPE kinds {PER_HEAD_ROPE_KINDS} here, not "
+                             f"{self.rope!r}")
+        if self.rope == ROPE_COS_SIN_PAIRS and self.norm != NORM_PER_HEAD:
+            raise ValueError(f"the RoPE kind {ROPE_COS_SIN_PAIRS!r} comes with norm={NORM_PER_HEAD!r} here")
 
     def probe(self, module, heads: int, head_dim: int, kv_heads: Optional[int] = None) -> Optional[str]:
         kv_width = (heads if kv_heads is None else kv_heads) * head_dim
@@ -164,14 +168,14 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
         start += tokens
     norm_rope = None
     options = attention_kwargs(config, transformer_options, module, mask=mask)
-    per_head_rope = form.rope in (ROPE_PAIRS, ROPE_SPLIT_HALF) and form.norm == NORM_PER_HEAD
+    per_head_rope = form.rope in PER_HEAD_ROPE_KINDS and form.norm == NORM_PER_HEAD
     if form.norm == NORM_SPANS_HEADS or (form.rope not in (None, ROPE_PAIRS) and freqs is not None
                                          and not per_head_rope):
         norm_rope = _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options, keep_keys)
     elif form.norm == NORM_PER_HEAD or (form.rope == ROPE_PAIRS and freqs is not None):
         if form.norm is None:
             ranges = [(a, b, None, None) for a, b, _, _ in ranges]
-        norm_rope = PerHeadNormRope(ranges, freqs if form.rope in (ROPE_PAIRS, ROPE_SPLIT_HALF) else None,
+        norm_rope = PerHeadNormRope(ranges, freqs if form.rope in PER_HEAD_ROPE_KINDS else None,
                                     rope=form.rope or ROPE_PAIRS)
     if kv_heads is not None and kv_heads != heads:
         options["kv_heads"] = kv_heads
@@ -220,6 +224,6 @@ def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, t
 
 
 __all__ = ["is_rms_norm", "NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
-           "ROPE_COS_SIN_HALVES", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend", "rope_rows",
+           "ROPE_COS_SIN_HALVES", "ROPE_COS_SIN_PAIRS", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend", "rope_rows",
            "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
            "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]

@@ -21,8 +21,12 @@ ROPE_PAIRS = "pairs"                    # rotation matrices of the pairs (2i, 2i
 ROPE_SPLIT_HALF = "split_half"          # the same matrices for the pairs (i, i + D/2) of each head (LTX "split")
 ROPE_COS_SIN = "cos_sin"                # (cos, sin) over the whole width, pairs (2i, 2i + 1) (LTX before 0.33)
 ROPE_COS_SIN_HALVES = "cos_sin_halves"  # (cos, sin) per head, pairs (i, i + D/2) (LTX "split" before 0.33)
+# (cos, sin) of each pair (2i, 2i + 1), one per head, over the first tokens only (Mochi's video; its text after)
+ROPE_COS_SIN_PAIRS = "cos_sin_pairs"
 NORM_KINDS = (None, NORM_PER_HEAD, NORM_SPANS_HEADS)
-ROPE_KINDS = (None, ROPE_PAIRS, ROPE_SPLIT_HALF, ROPE_COS_SIN, ROPE_COS_SIN_HALVES)
+ROPE_KINDS = (None, ROPE_PAIRS, ROPE_SPLIT_HALF, ROPE_COS_SIN, ROPE_COS_SIN_HALVES, ROPE_COS_SIN_PAIRS)
+# the RoPE kinds `PerHeadNormRope` rotates by (with a norm over each head's channels)
+PER_HEAD_ROPE_KINDS = (ROPE_PAIRS, ROPE_SPLIT_HALF, ROPE_COS_SIN_PAIRS)
 
 
 def rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -70,6 +74,16 @@ def rope_cos_sin_halves_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return out.flatten(-2)
 
 
+def rope_cos_sin_pairs_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on adjacent pairs from per-pair tables (Mochi's `apply_rotary_emb_qk_real` math): a chunk `(B, n, h,
+    D)` and tables `(n, h or 1, D/2)`: even `e cos - o sin`, odd `e sin + o cos`, in the wider dtype of the two
+    (float32 tables: float32); returns a new tensor."""
+    even, odd = t[..., 0::2], t[..., 1::2]
+    first = even * cos - odd * sin
+    second = even * sin + odd * cos
+    return torch.stack((first, second), dim=-1).flatten(-2)
+
+
 def rotate_rows(kind: str, freqs, t: torch.Tensor, a: int, b: int, heads: range) -> torch.Tensor:
     """The tokens [a, b) of the heads `heads` (`t`: `(B, b - a, len(heads), D)`) rotated by the RoPE `kind`,
     each table sliced to them: `ROPE_PAIRS` / `ROPE_SPLIT_HALF`: matrices `(B or 1, N, 1 or heads, D/2, 2, 2)`;
@@ -89,7 +103,24 @@ def rotate_rows(kind: str, freqs, t: torch.Tensor, a: int, b: int, heads: range)
     if kind == ROPE_COS_SIN_HALVES:
         return rope_cos_sin_halves_rows(t, cos[:, heads.start:heads.stop, a:b].transpose(1, 2),
                                         sin[:, heads.start:heads.stop, a:b].transpose(1, 2))
+    if kind == ROPE_COS_SIN_PAIRS:
+        return _cos_sin_pairs_part(t, cos, sin, a, b, heads)
     raise ValueError(f"rope must be one of {ROPE_KINDS[1:]}, not {kind!r}")
+
+
+def _cos_sin_pairs_part(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a: int, b: int,
+                        heads: range) -> torch.Tensor:
+    """`ROPE_COS_SIN_PAIRS` on the tokens [a, b) of the heads `heads`: the tables `(N_rot, heads or 1, D/2)` rotate
+    the tokens under N_rot, the rest pass through (in the dtype the rotated ones take)."""
+    rotated = max(0, min(b, cos.shape[0]) - a)
+    if rotated == 0:
+        return t
+    if cos.shape[1] > 1:   # a rotation per head: the group's own
+        cos, sin = cos[:, heads.start:heads.stop], sin[:, heads.start:heads.stop]
+    out = rope_cos_sin_pairs_rows(t[:, :rotated], cos[a:a + rotated], sin[a:a + rotated])
+    if rotated == t.shape[1]:
+        return out
+    return torch.cat((out, t[:, rotated:].to(out.dtype)), dim=1)
 
 
 _NOT_YET = object()   # `PerHeadNormRope._plan`: the passes per stream, not worked out yet
@@ -98,13 +129,14 @@ _NOT_YET = object()   # `PerHeadNormRope._plan`: the passes per stream, not work
 class PerHeadNormRope:
     """`norm_rope(query, key, group)` for norms over each head's channels: each stream's own norm on its token
     range (the module's norm, as the model runs it, rounded to the tensor's dtype), then RoPE on adjacent
-    pairs (`rope` ROPE_PAIRS) or on each head's halves (ROPE_SPLIT_HALF: Cosmos) in float32, all in place by
-    bounded token chunks. `freqs`: `(B or 1, N, 1, D/2, 2, 2)` over the joined tokens, or None. `ranges`:
-    (start, stop, norm_q, norm_k) per stream."""
+    pairs (`rope` ROPE_PAIRS), on each head's halves (ROPE_SPLIT_HALF: Cosmos, MiniMax H3) or on adjacent pairs
+    from per-head (cos, sin) tables (ROPE_COS_SIN_PAIRS: Mochi), all in place by bounded token chunks. `freqs`:
+    `(B or 1, N, 1, D/2, 2, 2)` over the joined tokens (ROPE_COS_SIN_PAIRS: `(cos, sin)`, each `(N_rot, heads or
+    1, D/2)`, over the first N_rot tokens), or None. `ranges`: (start, stop, norm_q, norm_k) per stream."""
 
-    def __init__(self, ranges: Sequence[tuple], freqs: Optional[torch.Tensor], rope: str = ROPE_PAIRS):
-        if rope not in (ROPE_PAIRS, ROPE_SPLIT_HALF):
-            raise ValueError(f"a per-head norm takes pair RoPE (or split-half) here, not {rope!r}")
+    def __init__(self, ranges: Sequence[tuple], freqs, rope: str = ROPE_PAIRS):
+        if rope not in PER_HEAD_ROPE_KINDS:
+            raise ValueError(f"a per-head norm takes one of the RoPE kinds {PER_HEAD_ROPE_KINDS} here, not {rope!r}")
         self.ranges, self.freqs, self.rope = list(ranges), freqs, rope
         self._weights: dict = {}   # id(norm) -> (its weight cast for the tensors,)
         self._plans: dict = {}     # (which, device, dtype, head size) -> the fused passes' arguments (`_plan`)
@@ -239,7 +271,10 @@ class PerHeadNormRope:
         weight, eps = (None, None) if norm is None else self._weight_eps(norm, t)
         return start, stop, (None, weight, freqs), dict(head_norm_eps=eps)
 
-    def _apply_(self, t: torch.Tensor, which: int) -> None:
+    def _apply_(self, t: torch.Tensor, which: int, heads: Optional[range] = None) -> None:
+        if self.rope == ROPE_COS_SIN_PAIRS:   # no fused pass: the tables' rows per head group
+            self._apply_cos_sin_pairs_(t, which, range(t.shape[2]) if heads is None else heads)
+            return
         whole = self._whole.get(which)
         if whole is not None and whole.fits(t):   # a head group's keys laid out as the last group's
             whole.run(t)
@@ -264,11 +299,22 @@ class PerHeadNormRope:
                 return out if freqs is None else rotate(out, freqs[:, a:b])
             rows_(t, chunk, start, stop)
 
+    def _apply_cos_sin_pairs_(self, t: torch.Tensor, which: int, heads: range) -> None:
+        for start, stop, *norms in self.ranges:
+            norm = norms[which]
+            if norm is None and self.freqs is None:
+                continue
+
+            def chunk(part, a, b, norm=norm):
+                out = part if norm is None else norm(part).to(part.dtype)   # over head_dim: any group
+                return out if self.freqs is None else _cos_sin_pairs_part(out, *self.freqs, a, b, heads)
+            rows_(t, chunk, start, stop)
+
     def __call__(self, query, key, group) -> None:
         if query is not None:
-            self._apply_(query, 0)
+            self._apply_(query, 0, None if group is None or query.shape[2] != len(group.q) else group.q)
         if key is not None:
-            self._apply_(key, 1)
+            self._apply_(key, 1, None if group is None or key.shape[2] != len(group.kv) else group.kv)
 
 
 def _is_norm(norm) -> bool:
@@ -437,5 +483,6 @@ class SpanningNormRope:
 
 
 __all__ = ["NORM_PER_HEAD", "NORM_SPANS_HEADS", "NORM_KINDS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
-           "ROPE_COS_SIN_HALVES", "ROPE_KINDS", "rope_rows", "rope_split_half_rows", "rope_cos_sin_rows",
-           "rope_cos_sin_halves_rows", "rotate_rows", "PerHeadNormRope", "SpanningNormRope"]
+           "ROPE_COS_SIN_HALVES", "ROPE_COS_SIN_PAIRS", "PER_HEAD_ROPE_KINDS", "ROPE_KINDS", "rope_rows",
+           "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rope_cos_sin_pairs_rows",
+           "rotate_rows", "PerHeadNormRope", "SpanningNormRope"]

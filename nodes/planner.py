@@ -16,7 +16,7 @@ from ..qkv_core.runtime import attends_over_queries
 from .dispatch import AUTO, LEVELS, QKVConfig, family_config, uses_comfy_dispatch
 from .report import size
 
-WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
+WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels", "hidden_size_x")   # Mochi: its video's
 
 
 @dataclasses.dataclass(frozen=True)

@@ -322,15 +322,32 @@ def cogvideox() -> Case:
                 torch.zeros(1, 16, 4, 64, 64), conds, 4)
 
 
+def mochi() -> Case:
+    """Mochi ([video, text] joint attention of two widths, fused qkv per stream, per-head RMSNorms and per-head RoPE
+    tables on the video; 2 x (4 x 32 x 32 = 4,096 + 12) tokens; tests/test_mochi_adapter.py's tiny model)."""
+    import torch
+    from test_mochi_adapter import CONFIG, TEXT_DIM, mochi_inputs, mochi_model
+    patcher = mochi_model(dict(CONFIG, depth=1))
+
+    def conds():
+        g = torch.Generator().manual_seed(2)
+        mask = torch.ones(1, 12, dtype=torch.bool)
+        return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {"attention_mask": mask}]],
+                [[torch.randn(1, 12, TEXT_DIM, generator=g), {"attention_mask": mask}]])
+    return Case(patcher, lambda: mochi_inputs(torch, latent=(2, 12, 4, 64, 64)), "diffusion_model.blocks.0.attn.qkv_x.weight",
+                torch.zeros(1, 12, 4, 64, 64), conds, 4)
+
+
 CASES = {"wan": wan, "flux": flux, "hunyuan_video": hunyuan_video, "qwen_image": qwen_image, "lumina2": lumina2,
          "kandinsky5": kandinsky5, "ltx_video": ltx_video, "sd3": sd3, "cosmos_predict2": cosmos_predict2,
-         "hidream": hidream, "minimax_h3": minimax_h3, "cogvideox": cogvideox}
+         "hidream": hidream, "minimax_h3": minimax_h3, "cogvideox": cogvideox,
+         "mochi": mochi}
 # each case's adapter module (nodes/families/<name>.py): together they cover every family of the registry
 # (nodes/families/__init__.py; tests/test_family_contract.py checks it)
 ADAPTER_MODULES = {"wan": "wan", "flux": "flux", "hunyuan_video": "flux", "qwen_image": "qwen_image",
                    "lumina2": "lumina", "kandinsky5": "kandinsky5", "ltx_video": "ltx", "sd3": "sd3",
                    "cosmos_predict2": "cosmos", "hidream": "hidream", "minimax_h3": "minimax",
-                   "cogvideox": "cogvideox"}
+                   "cogvideox": "cogvideox", "mochi": "mochi"}
 
 
 def case(name: str) -> Optional[Case]:

@@ -75,8 +75,11 @@ def test_forms_take_the_spanning_norm_and_refuse_per_head_norms_with_other_ropes
     stream = attention.StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
     form = attention.AttentionForm(streams=(stream,), norm=attention.NORM_SPANS_HEADS, rope=attention.ROPE_SPLIT_HALF)
     assert form.norm == attention.NORM_SPANS_HEADS
-    with pytest.raises(ValueError, match="per-head norm takes pair RoPE"):
+    with pytest.raises(ValueError, match="per-head norm takes one of the RoPE kinds"):
         attention.AttentionForm(streams=(stream,), norm=attention.NORM_PER_HEAD, rope=attention.ROPE_COS_SIN)
+    with pytest.raises(ValueError, match="comes with norm='per_head'"):
+        attention.AttentionForm(streams=(stream,), norm=attention.NORM_SPANS_HEADS,
+                                rope=attention.ROPE_COS_SIN_PAIRS)
 
 
 @pytest.mark.parametrize("kind", ["pairs", "split_half"])

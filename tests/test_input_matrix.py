@@ -201,6 +201,14 @@ def cogvideox_inputs(torch, cond, model, size=1):
                 context=t.context)
 
 
+def mochi_inputs(torch, cond, model, size=1):
+    from test_mochi_adapter import TEXT_DIM
+    t, _ = text(torch, cond, 2, TEXT_DIM)
+    mask = t.mask.bool()
+    return dict(x=_latent(torch, 2, 12, 2, 24 * size, 24 * size), timestep=torch.tensor([0.6, 0.6]),
+                context=t.context, attention_mask=mask, num_tokens=int(mask.sum(1).max()))
+
+
 # ----------------------------------------------------------------------------------------------- families
 
 def _case_model(name):
@@ -232,6 +240,11 @@ def _cogvideox():
     return cogvideox_model(dict(CONFIG, num_layers=1))
 
 
+def _mochi():
+    from test_mochi_adapter import CONFIG, mochi_model
+    return mochi_model(dict(CONFIG, depth=1))
+
+
 class Family(NamedTuple):
     model: Callable          # () -> the float32 ModelPatcher
     inputs: Callable         # (torch, cond, base model) -> float32 kwargs of the diffusion model
@@ -258,6 +271,7 @@ FAMILIES = {
     "kandinsky5": Family(_kandinsky5, kandinsky5_inputs, "kandinsky5", 4),
     "minimax_h3": Family(_minimax, minimax_inputs, "minimax", 4),
     "cogvideox": Family(_cogvideox, cogvideox_inputs, "cogvideox", 4),
+    "mochi": Family(_mochi, mochi_inputs, "mochi", 4),
 }
 
 # every format with the zeroed negative; every conditioning in bf16 and fp8-scaled (see the module docstring)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from . import cogvideox, cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, qwen_image, sd3, wan
+from . import cogvideox, cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, mochi, qwen_image, sd3, wan
 
 
 class Registered(NamedTuple):
@@ -34,6 +34,7 @@ FAMILIES = (
     Registered("hidream", hidream, ("HiDream",)),
     Registered("minimax", minimax, ("MiniMax H3",)),
     Registered("cogvideox", cogvideox, ("CogVideoX",)),
+    Registered("mochi", mochi, ("Mochi",)),
 )
 
 ADAPTERS = tuple(family.adapter for family in FAMILIES)

@@ -190,6 +190,11 @@ TABLE = {
         {"block": cpu_block(10.0, 2.04, "tests/test_minimax_adapter.py (16 groups: 2.19 x |x|)")},
         group_scale=2),
     # The runtime's own floor. Not measured on a whole model: ComfyUI's own estimate.
+    "mochi": Measured(
+        whole_model(1.0, 1.0, "Mochi: not measured on a whole model; ComfyUI's own estimate"),
+        {"block": cpu_block(15.0, 2.10, "tests/test_mochi_adapter.py (16 groups: 2.25 x |x|; its feed-forward 4x "
+                                        "the width, as Mochi 1's)")}),
+    # The runtime's own floor. Not measured on a whole model: ComfyUI's own estimate.
     "cogvideox": Measured(
         whole_model(1.0, 1.0, "CogVideoX: not measured on a whole model; ComfyUI's own estimate"),
         {"block": cpu_block(18.3, 2.34, "tests/test_cogvideox_adapter.py (16 groups: 2.49 x |x|, with RoPE)")}),
