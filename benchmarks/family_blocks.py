@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from ..nodes.families import flux, hidream, minimax, qwen_image, wan
+from ..nodes.families import cogvideox, flux, hidream, minimax, mochi, qwen_image, wan
 from ..nodes.dispatch import QKVConfig, family_config
 from ..qkv_core import parse_level
 from . import fast_paths_ab as ab
@@ -219,6 +219,61 @@ def minimax_case(latent_t: int, rows: int, columns: int, audio_rows: int, text_t
     return build
 
 
+def _random_block_(block, device) -> None:
+    """Random weights at a trained model's scale (matrices 1 / sqrt(fan-in), norms near 1, biases near 0)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+            else:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+    block.requires_grad_(False)
+
+
+def cogvideox_case(latent_t: int, rows: int, columns: int, text_tokens: int = 226):
+    """CogVideoX 1.5 5B's `CogVideoXBlock` (width 3072, 48 heads of 64, RoPE over three axes) on `latent_t` x `rows`
+    x `columns` video patches after a 226-token prompt, as `CogVideoXTransformer3DModel` calls it."""
+    def build(device, dtype):
+        import comfy.ldm.cogvideo.model as cogvideo_model
+        import comfy.ops
+        block = cogvideo_model.CogVideoXBlock(3072, 48, 64, 512, device=device, dtype=dtype,
+                                              operations=comfy.ops.disable_weight_init)
+        _random_block_(block, device)
+        video = latent_t * rows * columns
+        g = torch.Generator(device="cpu").manual_seed(1)
+        angles = (torch.rand(video, 32, generator=g) * 64).to(device)
+        rotary = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+        inputs = dict(hidden_states=torch.randn(1, video, 3072, generator=g).to(device=device, dtype=dtype),
+                      encoder_hidden_states=torch.randn(1, text_tokens, 3072, generator=g).to(device=device,
+                                                                                               dtype=dtype),
+                      temb=torch.randn(1, 512, generator=g).to(device=device, dtype=dtype),
+                      image_rotary_emb=rotary, transformer_options={})
+        return block.eval(), inputs, "hidden_states", cogvideox.block_forward
+    return build
+
+
+def mochi_case(latent_t: int, rows: int, columns: int, text_tokens: int = 256):
+    """Mochi 1's `AsymmetricJointBlock` (video 3072 wide, text 1536, 24 heads of 128, per-head RoPE) on `latent_t`
+    x `rows` x `columns` video patches and a 256-token prompt, as `AsymmDiTJoint` calls it."""
+    def build(device, dtype):
+        import comfy.ldm.genmo.joint_model.asymm_models_joint as mochi_model
+        import comfy.ops
+        block = mochi_model.AsymmetricJointBlock(3072, 1536, 24, mlp_ratio_x=4.0, mlp_ratio_y=4.0, qk_norm=True,
+                                                 qkv_bias=False, device=device, dtype=dtype,
+                                                 operations=comfy.ops.disable_weight_init)
+        _random_block_(block, device)
+        video = latent_t * rows * columns
+        g = torch.Generator(device="cpu").manual_seed(1)
+        angles = (torch.rand(video, 24, 64, generator=g) * 64).to(device)
+        inputs = dict(x=torch.randn(1, video, 3072, generator=g).to(device=device, dtype=dtype),
+                      c=torch.randn(1, 3072, generator=g).to(device=device, dtype=dtype),
+                      y=torch.randn(1, text_tokens, 1536, generator=g).to(device=device, dtype=dtype),
+                      rope_cos=angles.cos(), rope_sin=angles.sin(), crop_y=text_tokens, transformer_options={})
+        return block.eval(), inputs, "x", mochi.block_forward
+    return build
+
+
 HUNYUAN_720P_129 = 33 * 45 * 80   # 129 frames -> 33 latent frames, 720 x 1280 -> 45 x 80 patches
 CASES = {case.name: case for case in (
     Case("flux-double-2048", "Flux-dev double block, 2048^2 (16,384 image + 512 text tokens)",
@@ -253,6 +308,11 @@ CASES = {case.name: case for case in (
          minimax_case(31, 24, 42, 414)),
     Case("minimax-1344x768x362", "MiniMax H3 block, 1344x768 x 362 frames (91,728 video + 1,206 audio + 512 text)",
          minimax_case(91, 24, 42, 1206)),
+    # CogVideoX 1.5 5B at 1360x768 x 81 frames: 21 latent frames in 11 temporal patches, 48 x 85 patches a frame
+    Case("cogvideox-1360x768x81", "CogVideoX 1.5 5B block, 1360x768 x 81 frames (44,880 video + 226 text)",
+         cogvideox_case(11, 48, 85)),
+    # Mochi 1 at 848x480 x 163 frames: 28 latent frames, 30 x 53 patches a frame
+    Case("mochi-848x480x163", "Mochi 1 block, 848x480 x 163 frames (44,520 video + 256 text)", mochi_case(28, 30, 53)),
     Case("hunyuan-double-720p129", "HunyuanVideo double block, 720p x 129 frames (118,800 + 256 text, masked)",
          flux_case("double", HUNYUAN_720P_129, 256, text_mask=True)),
     Case("hunyuan-single-720p129", "HunyuanVideo single block, 720p x 129 frames (119,056 tokens, masked)",

@@ -9,6 +9,11 @@ Projections and memory stay the model's own: this saves no VRAM, the memory esti
 Kept as they are (the call goes on to what would have run): an override another node set (chained), a kernel the
 user chose with ComfyUI's flags (`auto`), a per-layer kernel choice (`preferred_attention`, newer ComfyUI), and
 any call with arguments the pack does not know.
+
+q, k and v come as tensors, or as ComfyUI's single-owner `AttentionTensorContainer`s (v0.33's MiniMax H3, every
+model from v0.40 on): ComfyUI's attention wrapper takes them out before an override that has no container path,
+and an override handed containers itself peeks at them to decide and takes them only where the pack's backend
+runs the call (a call that goes on gets them untouched).
 """
 from __future__ import annotations
 
@@ -31,9 +36,9 @@ def make_override(backend: str, previous=None):
         if previous is not None:
             return previous(func, q, k, v, heads, *args, **kwargs)
         named = _named(args, kwargs)
-        if named is None or not _ours_can_take(backend, q, k, v, named):
+        if named is None or not _ours_can_take(backend, *(_peek(t) for t in (q, k, v)), named):
             return func(q, k, v, heads, *args, **kwargs)
-        return _attend(backend, q, k, v, heads, **named)
+        return _attend(backend, *(_take(t) for t in (q, k, v)), heads, **named)
 
     override.comfyui_qkv_kernel_patch = True
     override.previous = previous
@@ -56,13 +61,26 @@ def _named(args, kwargs):
     return None if set(named) - _KNOWN else named
 
 
+def _peek(t):
+    """A tensor argument, or the tensor in ComfyUI's `AttentionTensorContainer` (left in it)."""
+    peek = getattr(t, "peek", None)
+    return peek() if callable(peek) and not torch.is_tensor(t) else t
+
+
+def _take(t):
+    """A tensor argument, or the tensor taken out of its `AttentionTensorContainer` (the container is empty after:
+    the pack's backend is its owner now)."""
+    take = getattr(t, "take", None)
+    return take() if callable(take) and not torch.is_tensor(t) else t
+
+
 def _ours_can_take(backend, q, k, v, named) -> bool:
     if named.get("preferred_attention") is not None:
         return False   # the model picked a kernel for this layer
     if backend == AUTO and comfy_kernel_chosen():
         return False   # the user picked ComfyUI's kernel with its flags
     if not all(torch.is_tensor(t) for t in (q, k, v)) or any(t.requires_grad for t in (q, k, v)):
-        return False   # not tensors (a container this version cannot take), or training: the model's kernel
+        return False   # not tensors (something else than ComfyUI's containers), or training: the model's kernel
     mask = named.get("mask")
     return mask is None or torch.is_tensor(mask)
 

@@ -1,0 +1,92 @@
+"""q/k/v in ComfyUI's `AttentionTensorContainer`s, as ComfyUI v0.40 passes them to every attention backend (v0.33
+has the class and MiniMax H3 uses it already): emulated on v0.33 for every family by handing each model's
+`optimized_attention` calls containers (every `comfy.ldm` module's name bound to it), as the newer models write
+them. Each family's patched model still equals ComfyUI's own (the containers' forward is its self-check's stock)
+without a fallback, and the head split runs; the kernel-level override peeks at containers it hands on and takes
+the ones it runs. Skipped without ComfyUI, or where ComfyUI has no AttentionTensorContainer."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+import comfy_env
+import family_cases
+from test_family_contract import CASE_SPLIT_FLOOR, _family_floor, _forward, rel_err  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.comfyui
+
+
+@pytest.fixture(scope="module")
+def env():
+    with comfy_env.split_floor(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
+        yield modules
+
+
+@pytest.fixture
+def containers(monkeypatch):
+    """Every `comfy.ldm` module's `optimized_attention` and `optimized_attention_masked` hand q/k/v on in containers
+    (those they get as tensors). Returns the list of calls that went through containers."""
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    container = getattr(attention, "AttentionTensorContainer", None)
+    if container is None:
+        pytest.skip("this ComfyUI has no AttentionTensorContainer")
+    handed = []
+
+    def in_containers(original):
+        def call(q, k, v, *args, **kwargs):
+            if not isinstance(q, container):
+                q, k, v = container(q), container(k), container(v)
+            handed.append(original.__name__)
+            return original(q, k, v, *args, **kwargs)
+        return call
+
+    for attribute in ("optimized_attention", "optimized_attention_masked"):
+        original = getattr(attention, attribute)
+        wrapped = in_containers(original)
+        for name, module in list(sys.modules.items()):
+            if name.startswith("comfy.ldm.") and getattr(module, attribute, None) is original:
+                monkeypatch.setattr(module, attribute, wrapped)
+    return handed
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_every_family_with_containers(env, containers, family):
+    case = family_cases.case(family)
+    reference = _forward(case)
+    assert containers, f"{family}: no attention call went through the containers"
+    patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", True)
+    assert report.any_patched and not report.skipped_reasons, report.lines()
+    env.compat.forget_verdicts()   # the self-check runs against the containers' forward
+    env.core.reset_notices()
+    with comfy_env.SdpaHeads(env.torch) as spy:
+        out = _forward(case, applied=patched)
+    assert not [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line], family
+    assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
+    groups = env.core.group_count(case.kv_heads, 10**6, 3)
+    assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, spy.self_heads)
+
+
+def test_the_kernel_override_takes_only_the_containers_it_runs(env):
+    """The kernel-level override with containers: a call it runs takes them (empty after) and equals SDPA; a call it
+    hands on (an argument it does not know) gets them untouched."""
+    torch = env.torch
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    container = getattr(attention, "AttentionTensorContainer", None)
+    if container is None:
+        pytest.skip("this ComfyUI has no AttentionTensorContainer")
+    kernel_patch = importlib.import_module(env.pack.__name__ + ".nodes.kernel_patch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 4 * 16, generator=g) for _ in range(3))
+    override = kernel_patch.make_override("sdpa")
+    boxes = [container(t) for t in (q, k, v)]
+    out = override(None, *boxes, 4)
+    assert all(box.tensor is None for box in boxes)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.unflatten(-1, (4, 16)).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).flatten(2)
+    assert torch.allclose(out, expected, atol=1e-5)
+    seen = []
+    boxes = [container(t) for t in (q, k, v)]
+    override(lambda *args, **kwargs: seen.append(args), *boxes, 4, something_new=True)
+    assert seen and all(box.tensor is not None for box in boxes) and seen[0][0] is boxes[0]
