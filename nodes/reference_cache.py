@@ -9,7 +9,7 @@ checkpoints are trained for it; for other models it is an approximation (the ref
 every block), said in the log.
 
 Other node packs can put a step-constant prefix of their own (history frames, identity references) into the same
-cache: a callable in `transformer_options[PROVIDER_KEY]` (README, "Your own step-constant keys and values").
+cache: a callable in `transformer_options[PROVIDER_KEY]` (docs/design.md §3.5).
 
 Pieces, one job each:
 - `ReferenceCache`: the node's settings and the per-run state. `run()` (the OUTER_SAMPLE wrapper) holds the

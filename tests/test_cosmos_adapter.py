@@ -94,6 +94,23 @@ def test_equals_stock_at_every_level(env, split_everything, settings):
     check_every_level(env, cosmos_model(**settings), cosmos_inputs(env.torch))
 
 
+def test_anima_runs_on_the_cosmos_blocks(env, split_everything):
+    """Anima (`comfy/ldm/anima`: a Cosmos predict2 DiT with an LLM text adapter in front) takes the Cosmos adapter:
+    patched equals stock at every level, and the split runs."""
+    import torch
+    import comfy.model_patcher
+    import comfy.supported_models
+    if not hasattr(comfy.supported_models, "Anima"):
+        pytest.skip("this ComfyUI has no Anima")
+    model_config = comfy.supported_models.Anima({**COSMOS, "image_model": "anima"})
+    model_config.set_inference_dtype(torch.float32, None)
+    model = model_config.get_model({}, device=torch.device("cpu"))
+    comfy_env.fill_random_(model.diffusion_model, seed=0)
+    base = comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
+                                            offload_device=torch.device("cpu"))
+    check_every_level(env, base, cosmos_inputs(torch))
+
+
 def test_attention_changes_the_output(env):
     """The tiny model's attention matters: its output moves visibly when a self-attention is dropped (so the
     equality above is not that of a model that ignores its attention)."""

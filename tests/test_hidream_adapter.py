@@ -255,8 +255,7 @@ def routing_gaps(torch, ff, x):
 def test_bounded_moe_equals_comfyuis_module(env, hidream_moe, dtype_name):
     """The pack's mixture of experts (`hidream_moe.bounded_moe_`: routing once, experts on their rows by chunks, the routed
     sum by token chunks) against ComfyUI's `MOEFeedForwardSwiGLU` on the same modulated input: float32 within
-    1e-6; bf16 equal on every token but those near a routing tie (counted: none on the CPU, where a product's
-    rows do not depend on the rows beside them). Weights as stored and cast per call; 2 batch items with their
+    1e-6; bf16 within its round-off (2 % of a token's norm) on every token but those near a routing tie. Weights as stored and cast per call; 2 batch items with their
     own modulation, and one shared by both; top-1 and top-2; a budget small enough to split an expert's rows."""
     torch = env.torch
     dtype = getattr(torch, dtype_name)
@@ -282,7 +281,11 @@ def test_bounded_moe_equals_comfyuis_module(env, hidream_moe, dtype_name):
                 hidream_moe.bounded_moe_(out, norm, ff, shift, scale, 1, keep)
             finally:
                 hidream_moe.MOE_BUDGET = saved
-        differs = (ours != stock).any(-1).reshape(-1)
+        # a token differs when it is off by more than bf16 round-off (products over another count of rows may round
+        # their sums otherwise: oneDNN blocks some CPUs' bf16 matmuls by the row count); one sent to another expert
+        # is off by an expert's output
+        error = (ours.double() - stock.double()).norm(dim=-1) / stock.double().norm(dim=-1).clamp_min(1e-30)
+        differs = (error > 2e-2).reshape(-1)
         if dtype == torch.float32:
             assert rel_err(ours, stock) <= 1e-6, (case, rel_err(ours, stock))
         else:
