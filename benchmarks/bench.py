@@ -39,20 +39,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.machinery
-import importlib.util
 import json
 import math
-import os
-import platform
 import statistics
 import sys
-import textwrap
 import time
-import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 from benchmarks import dynamic_vram
@@ -61,185 +53,16 @@ if "--dynamic-vram" in sys.argv[1:]:   # comfy-aimdo loads before torch does, as
     dynamic_vram.start()
 
 import torch  # noqa: E402 - after comfy-aimdo's start (above)
-import torch.nn as nn
-import torch.nn.functional as F
 
 import qkv_core
 from qkv_core import head_split as _head_split
 from qkv_core import runtime as _runtime
 from benchmarks.memory import GiB, measure_peak, time_call, check_cpu_tracker
 
-# ------------------------------------------------------------------------------------------------------
-# the model: Wan 2.x 14B self-attention
-# ------------------------------------------------------------------------------------------------------
+# the model, Wan 2.x 14B self-attention, stock and through qkv_core: benchmarks/wan_layer.py
+from benchmarks.wan_layer import (DEFAULT_CPU_SCALE, RESOLUTIONS, WAN_14B, WanSelfAttentionLayer,  # noqa: E402
+                                  make_norm_rope, qkv_forward, stock_forward, stock_rope_fn, wan_rope_freqs)
 
-WAN_14B = dict(dim=5120, heads=40, head_dim=128, eps=1e-6, theta=10000.0)
-
-#: (name, latent grid (t, h, w)): 81 frames -> 21 latent frames; 480p -> 30 x 52, 720p -> 45 x 80 patches
-RESOLUTIONS = [("480p x 81 frames", (21, 30, 52)), ("720p x 81 frames", (21, 45, 80))]
-
-DEFAULT_CPU_SCALE = 16
-
-
-def wan_rope_axes(head_dim: int) -> list[int]:
-    """Wan's split of the head dim over (t, h, w): [44, 42, 42] for 128 (comfy/ldm/wan/model.py)."""
-    return [head_dim - 4 * (head_dim // 6), 2 * (head_dim // 6), 2 * (head_dim // 6)]
-
-
-def wan_rope_freqs(grid, tokens: int, head_dim: int, theta: float, device) -> torch.Tensor:
-    """ComfyUI's RoPE table for the first `tokens` positions of the latent grid (t, h, w), float32
-    `(1, tokens, 1, head_dim // 2, 2, 2)`: per pair the rotation [[cos, -sin], [sin, cos]]."""
-    t, h, w = grid
-    if tokens > t * h * w:
-        t = math.ceil(tokens / (h * w))
-    pos = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
-    pos = pos.reshape(-1, 3)[:tokens].to(torch.float64)
-    tables = []
-    for axis, dim in enumerate(wan_rope_axes(head_dim)):
-        scale = torch.linspace(0, (dim - 2) / dim, steps=dim // 2, dtype=torch.float64)
-        angle = pos[:, axis, None] * (1.0 / theta ** scale)                     # (tokens, dim/2)
-        rot = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], dim=-1)
-        tables.append(rot.view(tokens, dim // 2, 2, 2))
-    freqs = torch.cat(tables, dim=-3).to(torch.float32)                          # (tokens, D/2, 2, 2)
-    return freqs[None, :, None].contiguous().to(device)
-
-
-class WanSelfAttentionLayer(nn.Module):
-    """Weights of one Wan self-attention layer (random), with the RoPE table of its tokens as a buffer."""
-
-    def __init__(self, dim, heads, head_dim, eps, freqs, device, dtype, seed=0):
-        super().__init__()
-        self.dim, self.heads, self.head_dim, self.eps = dim, heads, head_dim, eps
-        generator = torch.Generator(device="cpu").manual_seed(seed)
-        for name in ("q", "k", "v", "o"):
-            linear = nn.Linear(dim, dim, bias=True, device="meta")
-            bound = 1.0 / math.sqrt(dim)
-            weight = (torch.rand(dim, dim, generator=generator) * 2 - 1) * bound
-            bias = (torch.rand(dim, generator=generator) * 2 - 1) * bound
-            linear.weight = nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False)
-            linear.bias = nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
-            setattr(self, name, linear)
-            del weight, bias
-        # Wan's norm_q / norm_k: RMSNorm over the full width, with a (trained, here random) weight
-        self.norm_q_weight = nn.Parameter((1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype),
-                                          requires_grad=False)
-        self.norm_k_weight = nn.Parameter((1 + 0.1 * torch.randn(dim, generator=generator)).to(device, dtype),
-                                          requires_grad=False)
-        self.register_buffer("freqs", freqs)
-
-
-# --- stock: ComfyUI v0.8.0 --------------------------------------------------------------------------------
-
-def apply_rope1_eager(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """ComfyUI's apply_rope1 (comfy/ldm/flux/math.py fallback = comfy_kitchen's eager backend): float32
-    copies of x, a new float32 result, cast back."""
-    x_ = x.to(dtype=freqs_cis.dtype).reshape(*x.shape[:-1], -1, 1, 2)
-    x_out = freqs_cis[..., 0] * x_[..., 0]
-    x_out.addcmul_(freqs_cis[..., 1], x_[..., 1])
-    return x_out.reshape(*x.shape).type_as(x)
-
-
-def stock_rope_fn(choice: str) -> tuple[Callable, str]:
-    """ComfyUI calls comfy_kitchen.apply_rope1 when comfy_kitchen is installed (CUDA: a fused kernel),
-    else the eager formula."""
-    if choice in ("auto", "kitchen"):
-        try:
-            import comfy_kitchen
-            return comfy_kitchen.apply_rope1, "comfy_kitchen.apply_rope1"
-        except Exception as e:
-            if choice == "kitchen":
-                raise SystemExit(f"--stock-rope kitchen: comfy_kitchen is not importable ({e})")
-    return apply_rope1_eager, "eager apply_rope1 (comfy_kitchen not installed)"
-
-
-def stock_forward(layer: WanSelfAttentionLayer, x_list: list, apply_rope1=apply_rope1_eager) -> torch.Tensor:
-    """WanSelfAttention.forward of ComfyUI v0.8.0 with attention_pytorch (SDPA), o included."""
-    x = x_list.pop()
-    b, s, n, d = *x.shape[:2], layer.heads, layer.head_dim
-    freqs = layer.freqs
-
-    def rms_norm(t, weight):  # comfy.rmsnorm.rms_norm -> torch's rms_norm with the weight cast to t
-        return F.rms_norm(t, weight.shape, weight=weight.to(t.dtype), eps=layer.eps)
-
-    def qkv_fn_q(x):
-        q = rms_norm(layer.q(x), layer.norm_q_weight).view(b, s, n, d)
-        return apply_rope1(q, freqs)
-
-    def qkv_fn_k(x):
-        k = rms_norm(layer.k(x), layer.norm_k_weight).view(b, s, n, d)
-        return apply_rope1(k, freqs)
-
-    q = qkv_fn_q(x)
-    k = qkv_fn_k(x)
-
-    def attention_pytorch(q, k, v, heads):
-        b, _, dim_head = q.shape
-        dim_head //= heads
-        q, k, v = (t.view(b, -1, heads, dim_head).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
-        return out.transpose(1, 2).reshape(b, -1, heads * dim_head)
-
-    x = attention_pytorch(q.view(b, s, n * d), k.view(b, s, n * d), layer.v(x).view(b, s, n * d), heads=n)
-    x = layer.o(x)
-    return x
-
-
-# --- qkv_core -----------------------------------------------------------------------------------------------
-
-def make_norm_rope(layer: WanSelfAttentionLayer) -> Callable:
-    """Wan's norm_q/norm_k + RoPE for `qkv_core`, in place, by bounded token chunks (`qkv_core.rows_`).
-    With `group.mean_squares` the group's heads are normalized by the full-width statistics; without, the
-    group must hold every head (unsplit). Same arithmetic as the stock path: normalize in float32, round to
-    the model dtype, times the weight; rotate in float32, round."""
-    d, eps, freqs = layer.head_dim, layer.eps, layer.freqs
-
-    def one(t: torch.Tensor, heads: range, weight: torch.Tensor, mean_squares: Optional[torch.Tensor]):
-        if mean_squares is None and len(heads) * d != layer.dim:
-            raise RuntimeError("a norm over all heads needs group.mean_squares when the heads are split")
-        w = weight[heads.start * d:heads.stop * d].to(t.dtype).view(len(heads), d)
-        if t.is_cuda:   # the fused Triton pass the Wan adapter runs (nodes/attention.py), where it can
-            ms = mean_squares if mean_squares is not None else \
-                torch.linalg.vector_norm(t, dim=(-2, -1), dtype=torch.float32).square_().div_(layer.dim)
-            if qkv_core.kernels.norm_rope_(t, torch.rsqrt(ms + eps), w, freqs):
-                return
-
-        def fn(part, a, b):
-            f = part.float()
-            ms = (f.square().mean(dim=(-2, -1), keepdim=True) if mean_squares is None
-                  else mean_squares[:, a:b].unsqueeze(-1))
-            f.mul_(torch.rsqrt(ms + eps))
-            part.copy_(f)                 # rounded to the model dtype, as rms_norm does before the weight
-            part.mul_(w)
-            f.copy_(part)
-            pairs = f.view(*part.shape[:-1], -1, 1, 2)
-            fr = freqs[:, a:b]
-            out = fr[..., 0] * pairs[..., 0]
-            out.addcmul_(fr[..., 1], pairs[..., 1])
-            part.copy_(out.view(part.shape))
-            return part
-
-        qkv_core.rows_(t, fn)
-
-    def norm_rope(query, key, group):
-        ms = group.mean_squares or (None, None)
-        if query is not None:
-            one(query, group.q, layer.norm_q_weight, ms[0])
-        if key is not None:
-            one(key, group.kv, layer.norm_k_weight, ms[1])
-
-    return norm_rope
-
-
-def qkv_forward(layer: WanSelfAttentionLayer, x_list: list, level: int, norm_rope: Callable) -> torch.Tensor:
-    """The same layer through `qkv_core.qkv_attention` (x handed off), then o."""
-    out = qkv_core.qkv_attention(x_list, layer.q, layer.k, layer.v, layer.heads, layer.head_dim, norm_rope,
-                                 norm_spans_heads=True, head_split_level=level, force_attention="sdpa")
-    return layer.o(out.flatten(2))
-
-
-# ------------------------------------------------------------------------------------------------------
-# workloads
-# ------------------------------------------------------------------------------------------------------
 
 @dataclass
 class Case:
@@ -423,236 +246,17 @@ def measure(workload: Workload, case: Case, device, dtype, args) -> dict:
                 unit_bytes=prepared.unit_bytes, notes=prepared.notes, rows=rows, parts=parts)
 
 
-# ------------------------------------------------------------------------------------------------------
-# report
-# ------------------------------------------------------------------------------------------------------
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: torch.device) -> dict:
-    info = dict(torch=torch.__version__, python=platform.python_version(), device=device.type)
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        info["cpu"] = _cpu_name()
-        info["cores"] = os.cpu_count()
-        info["threads"] = torch.get_num_threads()
-    return info
-
-
-def format_table(result: dict, device: torch.device) -> str:
-    scaled = result["tokens"] != result["full_tokens"]
-    head = result["case"]
-    if result.get("label"):
-        head = f"{result['label']}, {head}"
-    if not head.endswith(" tokens") or scaled:
-        head += f": {result['tokens']:,} tokens run"
-    if scaled:
-        head += f" (stands for {result['full_tokens']:,})"
-    head += f", |x| = {result['unit_bytes'] / 2**20:,.1f} MiB"
-    cpu = device.type == "cpu"
-    lines = [head, "",
-             "| method | head groups | peak GiB | peak x|x| | time ms |" + (" CPU time ms |" if cpu else "")
-             + " max abs diff vs stock | relative |",
-             "| --- | ---: | ---: | ---: | ---: |" + (" ---: |" if cpu else "") + " ---: | ---: |"]
-    for row in result["rows"]:
-        cpu_time = f" {row['cpu_time_s'] * 1e3:,.0f} |" if cpu else ""
-        lines.append(f"| {row['method']} | {row['groups'] or '-'} | {row['peak_gib']:.4f} | {row['peak_x']:.2f} | "
-                     f"{row['time_s'] * 1e3:,.0f} |{cpu_time} {row['max_abs_diff']:.3g} | {row['rel_diff']:.2g} |")
-    if result.get("parts"):
-        reference = result["rows"][0]["method"]
-        lines += ["", f"{reference}, parts alone (peak above the part's input, its result included): " + ", ".join(
-            f"{p['part']} {p['peak_gib']:.4f} GiB = {p['peak_x']:.2f} x|x|" for p in result["parts"])]
-    return "\n".join(lines)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("--plot needs matplotlib, which is not installed: python3 -m pip install matplotlib "
-                         "(scripts/bench --plot FILE installs it)") from None
-    return plt
-
-
-def plot(results: list, path: str, title: str) -> None:
-    plt = _pyplot()
-    methods = [row["method"] for row in results[0]["rows"]]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
-    width = 0.8 / max(1, len(results))
-    for ax, key, label in ((axes[0], "peak_x", "peak working set, x |x| (lower is better)"),
-                           (axes[1], "time_s", "time, ms (lower is better)")):
-        for index, result in enumerate(results):
-            values = [row[key] * (1e3 if key == "time_s" else 1) for row in result["rows"]]
-            positions = [m + (index - (len(results) - 1) / 2) * width for m in range(len(methods))]
-            bars = ax.bar(positions, values, width, label=result["case"] if result["case"].endswith(" tokens")
-                          else f"{result['case']} ({result['tokens']:,} tokens)")
-            ax.bar_label(bars, fmt="%.2f" if key == "peak_x" else "%.0f", fontsize=7)
-        ax.set_xticks(range(len(methods)), methods, rotation=35, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-        ax.margins(y=0.25)   # room for the bar labels and the legend above the tallest bars
-        ax.legend(fontsize=8)
-    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
+# results as tables, machine facts and plots: benchmarks/results.py
+from benchmarks.results import format_table, machine_info, plot, pyplot  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------------
 # --comfyui: ComfyUI's own Wan block, through the pack's adapter
 # ------------------------------------------------------------------------------------------------------
 
-#: the repository root = the node pack's folder (benchmarks/ sits next to nodes/ and qkv_core/)
-PACK_ROOT = Path(__file__).resolve().parent.parent
-#: the package name the pack is loaded under for the benchmark (never ComfyUI's top-level `nodes`)
-PACK_PACKAGE = "comfyui_qkv_bench"
-#: top-level packages of this process that the pack package shares (same module objects): see `load_pack_module`
-SHARED_PACKAGES = ("qkv_core", "benchmarks")
-
-
-def _is_comfyui_root(path: Path) -> bool:
-    return (path / "comfy").is_dir() and (path / "comfyui_version.py").is_file()
-
-
-def find_comfyui(path: Optional[str] = None) -> Path:
-    """ComfyUI's root: `path`, else $COMFYUI_PATH, else the ComfyUI this repository is installed in
-    (ComfyUI/custom_nodes/<pack>), else ~/ComfyUI. SystemExit with the places looked at when none is."""
-    if path or os.environ.get("COMFYUI_PATH"):
-        given = Path(path or os.environ["COMFYUI_PATH"]).expanduser().resolve()
-        if not _is_comfyui_root(given):
-            raise SystemExit(f"--comfyui: {given} is not a ComfyUI checkout (needs comfy/ and comfyui_version.py)")
-        return given
-    # custom_nodes/<pack>/benchmarks/bench.py -> ComfyUI, as given (a symlinked pack) and resolved
-    given_root = Path(os.path.abspath(__file__)).parent.parent
-    candidates = [given_root.parent.parent, PACK_ROOT.parent.parent, Path.home() / "ComfyUI"]
-    for candidate in candidates:
-        if _is_comfyui_root(candidate):
-            return candidate.resolve()
-    raise SystemExit("--comfyui: no ComfyUI found (give its path: --comfyui PATH, or set COMFYUI_PATH); looked at "
-                     + ", ".join(str(c) for c in candidates))
-
-
-# Packages ComfyUI imports unguarded at module level for models and nodes the benchmarks never run: a bare
-# machine (a CPU-only torch, a GPU image without PyAV) may have none that imports
-STUBBED = ("torchvision", "torchaudio", "av")
-
-
-class _StubSubmodules:
-    """`<stubbed>.<anything>` as an empty stub package while that package is a stub below: `comfy.model_base`
-    (v0.33) imports `torchvision.ops.roi_align` (SAM3), comfy_api's video types `av.container`. Attributes of
-    the stub modules are placeholders that raise when called; no workload calls them. A real package is never
-    shadowed."""
-
-    STUB_VERSION = "0.0.0+qkv_bench_stub"
-
-    @classmethod
-    def active(cls, name: str) -> bool:
-        top = sys.modules.get(name)
-        return top is not None and getattr(top, "__version__", "") == cls.STUB_VERSION
-
-    @classmethod
-    def find_spec(cls, fullname, path=None, target=None):
-        top, dot, _ = fullname.partition(".")
-        if not dot or top not in STUBBED or not cls.active(top):
-            return None
-        return importlib.machinery.ModuleSpec(fullname, cls, is_package=True)
-
-    @classmethod
-    def create_module(cls, spec):
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    @classmethod
-    def exec_module(cls, module):
-        pass
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        top = self.__name__.split(".")[0]
-
-        def unavailable(*args, **kwargs):
-            raise ImportError(f"{self.__name__}.{name}: {top} is not installed (bench.py's stub)")
-        return type(name, (), {"__init__": unavailable, "__module__": self.__name__})
-
-
-def _stubs_if_missing() -> list:
-    """A bare stub package for each of `STUBBED` that does not import (missing, or built for another torch);
-    the names stubbed."""
-    stubbed = []
-    for top in STUBBED:
-        try:
-            importlib.import_module(top)
-            continue
-        except Exception:  # noqa: BLE001 - missing, or built for another torch
-            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
-                del sys.modules[name]
-        module = _StubModule(top)
-        # a real spec: transformers calls importlib.util.find_spec("torchvision"), which needs one
-        module.__spec__ = importlib.machinery.ModuleSpec(top, None, is_package=True)
-        module.__path__ = []
-        module.__version__ = _StubSubmodules.STUB_VERSION
-        sys.modules[top] = module
-        stubbed.append(top)
-    if stubbed and _StubSubmodules not in sys.meta_path:
-        sys.meta_path.append(_StubSubmodules)
-    if "torchvision" in stubbed:   # imported with the package, as the real one does
-        sys.modules["torchvision"].transforms = importlib.import_module("torchvision.transforms")
-    return stubbed
-
-
-def setup_comfyui(root: Path, device: torch.device, flags=()) -> list:
-    """Makes ComfyUI at `root` importable and imports `comfy.model_management`. Without CUDA (or with a CPU
-    `--device`) ComfyUI runs in its CPU mode with its PyTorch (SDPA) attention, flags set before
-    `comfy.model_management` reads them; on CUDA its own defaults stay (SDPA on NVIDIA). Returns notes."""
-    notes = []
-    sys.path[:] = [p for p in sys.path if not (p and os.path.abspath(p) == str(root))]
-    sys.path.insert(0, str(root))
-    comfy = sys.modules.get("comfy")
-    if comfy is not None and not str(Path(comfy.__path__[0]).resolve()).startswith(str(root)):
-        raise SystemExit(f"--comfyui: `comfy` is already imported from {comfy.__path__[0]}, not from {root}")
-    for name in _stubs_if_missing():
-        notes.append(f"{name}: not importable, a stub stands in")
-    import comfy.cli_args
-    if device.type != "cuda":
-        if "comfy.model_management" in sys.modules and not comfy.cli_args.args.cpu:
-            raise SystemExit("--comfyui: comfy.model_management was imported before its CPU flag could be set")
-        comfy.cli_args.args.cpu = True
-        comfy.cli_args.args.use_pytorch_cross_attention = True
-        notes.append("ComfyUI flags: --cpu --use-pytorch-cross-attention")
-    for flag in flags:   # ComfyUI's command-line flags, e.g. use_ck_attention for --use-ck-attention
-        name = flag.lstrip("?-").replace("-", "_")
-        if not hasattr(comfy.cli_args.args, name):
-            if flag.startswith("?"):   # wanted where this ComfyUI has it
-                continue
-            raise SystemExit(f"--comfy-flag: this ComfyUI has no flag {flag!r}")
-        setattr(comfy.cli_args.args, name, True)
-        notes.append(f"ComfyUI flag: --{name.replace('_', '-')}")
-    importlib.import_module("comfy.model_management")
-    return notes
-
-
-def _package(name: str, path: Path) -> types.ModuleType:
-    """An empty package `name` whose submodules are found in `path` (its __init__.py is not run)."""
-    spec = importlib.util.spec_from_loader(name, loader=None, is_package=True)
-    spec.submodule_search_locations = [str(path)]
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    return module
+# ComfyUI found and set up, the pack's workloads imported inside a package made for it: benchmarks/comfyui_setup.py
+# (PACK_PACKAGE: the tests' GPU fixtures read it from here)
+from benchmarks.comfyui_setup import PACK_PACKAGE, load_pack_module  # noqa: E402,F401
 
 
 def load_comfyui_workload(path: Optional[str], device: torch.device, flags=()) -> Workload:
@@ -664,36 +268,6 @@ def load_comfyui_workload(path: Optional[str], device: torch.device, flags=()) -
     workload.comfyui_root = str(root)
     workload.setup_notes = [f"ComfyUI from {root}"] + notes
     return workload
-
-
-def load_pack_module(name: str, path: Optional[str], device: torch.device, flags=()):
-    """ComfyUI set up (`setup_comfyui`), then `benchmarks/<name>.py` imported as `<PACK_PACKAGE>.benchmarks.<name>`:
-    returns (module, ComfyUI root, notes).
-
-    The workloads import the pack's adapter relatively (`from ..nodes.families import wan`, `from ..qkv_core import
-    ...`, `from .memory import ...`), so they are imported inside a package made for the whole pack: `PACK_PACKAGE`
-    and `<PACK_PACKAGE>.nodes` are empty package objects over the repository root and `nodes/` (neither
-    `__init__.py` runs: they import comfy_api, i.e. pydantic, av, ... that a bare benchmark machine lacks),
-    so the relative imports of `nodes/families/wan.py` (`from ...qkv_core import ...`, `from ..comfy_ops import
-    ...`) resolve inside it. `<PACK_PACKAGE>.qkv_core` and `<PACK_PACKAGE>.benchmarks` are this process's
-    `qkv_core` and `benchmarks` (`SHARED_PACKAGES`: the same module objects), so `scaled_runtime` and the
-    notices reach the code the adapter calls and the workloads measure with this runner's `memory`. Nothing
-    in `qkv_core/` or `nodes/` imports `benchmarks`."""
-    if not (PACK_ROOT / "nodes" / "families" / "wan.py").is_file() or \
-            not (PACK_ROOT / "benchmarks" / f"{name}.py").is_file():
-        raise SystemExit(f"--comfyui needs the repository checkout (nodes/families/wan.py and benchmarks/{name}.py "
-                         f"under {PACK_ROOT})")
-    root = find_comfyui(path)
-    notes = setup_comfyui(root, device, flags)
-    if PACK_PACKAGE not in sys.modules:
-        pack = _package(PACK_PACKAGE, PACK_ROOT)
-        pack.nodes = _package(PACK_PACKAGE + ".nodes", PACK_ROOT / "nodes")
-        for module_name, module in list(sys.modules.items()):
-            if module_name.split(".", 1)[0] in SHARED_PACKAGES:
-                sys.modules[f"{PACK_PACKAGE}.{module_name}"] = module
-        for package in SHARED_PACKAGES:
-            setattr(pack, package, sys.modules[package])
-    return importlib.import_module(f"{PACK_PACKAGE}.benchmarks.{name}"), root, notes
 
 
 def run_whole_model(argv) -> int:
@@ -875,7 +449,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
     device, dtype = args.device, args.dtype
     if args.plot:
-        _pyplot()  # fail before the runs, not after
+        pyplot()  # fail before the runs, not after
     cases = workload.cases(args)
     note = scaling_note(args, cases)
     if note:

@@ -1,5 +1,5 @@
-"""The q8 key/value format and log-sum-exp merges (docs/design.md §2.6): one Triton pass each on CUDA (`kernels`), else
-these PyTorch paths (the same math).
+"""The q8 key/value format and log-sum-exp merges (docs/design.md §2.6): one Triton pass each on CUDA
+(`q8_kernels`), else these PyTorch paths (the same math).
 
 q8: int8 `(batch, tokens, heads, head_dim)` with FP16 scales `(batch, tokens, heads, head_dim // 32)`; each
 group of 32 channels is scaled by max|x| / 127 (scale clamped at >= 1e-8), rounded and clamped to +-127.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import q8_kernels
 
 GROUP = 32
 CHUNK_TOKENS = 4096
@@ -55,7 +55,7 @@ def dequantize_q8_into(out: torch.Tensor, values: torch.Tensor, scales: torch.Te
     tokens = values.shape[1]
     if out.shape[1] != tokens or out.shape[2:] != values.shape[2:]:
         raise ValueError(f"output {tuple(out.shape)} does not match q8 values {tuple(values.shape)}")
-    if kernels.dequantize_q8_(out, values, scales, GROUP):   # one Triton pass (CUDA)
+    if q8_kernels.dequantize_q8_(out, values, scales, GROUP):   # one Triton pass (CUDA)
         return out
     for a in range(0, tokens, CHUNK_TOKENS):
         b = min(a + CHUNK_TOKENS, tokens)
@@ -89,7 +89,7 @@ def merge_lse_(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_
                              f"{tuple(out.shape)}, got {tuple(t.shape)}"
                              + ("; it looks (batch, tokens, heads): pass .transpose(1, 2)"
                                 if tuple(t.shape) == (out.shape[0], out.shape[1], out.shape[2]) else ""))
-    if kernels.merge_lse_(out, lse, other, other_lse):   # one Triton pass (CUDA)
+    if q8_kernels.merge_lse_(out, lse, other, other_lse):   # one Triton pass (CUDA)
         return
     tokens = out.shape[1]
     for a in range(0, tokens, CHUNK_TOKENS):

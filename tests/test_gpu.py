@@ -74,7 +74,7 @@ def test_norm_rope_kernel_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_q8_and_merge_kernels_on_cuda(dtype):
     """The Triton passes of `dequantize_q8_into` and `merge_lse_` against their PyTorch paths on the GPU."""
-    from qkv_core import kernels, q8
+    from qkv_core import q8, q8_kernels as kernels
     if kernels.triton is None:
         pytest.skip("Triton is not installed")
     g = torch.Generator(device="cuda").manual_seed(0)

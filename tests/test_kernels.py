@@ -213,18 +213,18 @@ def test_without_a_gpu_or_the_interpreter_no_launch_is_made():
 
 Q8_AND_MERGE = textwrap.dedent('''
 import torch
-from qkv_core import kernels, q8
+from qkv_core import kernels, q8, q8_kernels
 assert kernels.INTERPRET and kernels.triton is not None
 g = torch.Generator().manual_seed(0)
 cases = 0
 def pytorch_path(fn, *args):
-    saved = (kernels.dequantize_q8_, kernels.merge_lse_)
-    kernels.dequantize_q8_ = lambda *a: False
-    kernels.merge_lse_ = lambda *a: False
+    saved = (q8_kernels.dequantize_q8_, q8_kernels.merge_lse_)
+    q8_kernels.dequantize_q8_ = lambda *a: False
+    q8_kernels.merge_lse_ = lambda *a: False
     try:
         return fn(*args)
     finally:
-        kernels.dequantize_q8_, kernels.merge_lse_ = saved
+        q8_kernels.dequantize_q8_, q8_kernels.merge_lse_ = saved
 for dtype in (torch.float32, torch.float16, torch.bfloat16):
     for batch, vbatch in ((1, 1), (2, 1), (2, 2)):
         tokens, heads, dim = 37, 3, 64
@@ -232,7 +232,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         storage = torch.zeros(batch, tokens + 5, heads + 2, dim, dtype=dtype)
         view = storage[:, 5:, 1:4]                      # a strided view: the prefix part of joined keys
         want = pytorch_path(q8.dequantize_q8_into, torch.empty(batch, tokens, heads, dim, dtype=dtype), values, scales)
-        assert kernels.dequantize_q8_(view, values, scales, q8.GROUP)
+        assert q8_kernels.dequantize_q8_(view, values, scales, q8.GROUP)
         tol = 0 if dtype == torch.float32 else 2 ** -7 * float(want.float().abs().max())
         assert float((view.float() - want.float()).abs().max()) <= tol, (dtype, batch, vbatch)
         assert float(storage[:, :5].abs().max()) == 0 and float(storage[:, :, 0].abs().max()) == 0
@@ -248,7 +248,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         want_out, want_lse = out.clone(), lse.clone()
         pytorch_path(q8.merge_lse_, want_out, want_lse, other, olse)
         got_out, got_lse = out.clone(), lse.clone()
-        assert kernels.merge_lse_(got_out, got_lse, other, olse)
+        assert q8_kernels.merge_lse_(got_out, got_lse, other, olse)
         tol = 1e-6 * float(want_out.float().abs().max()) if dtype == torch.float32 else \
             2 ** -7 * float(want_out.float().abs().max())
         assert float((got_out.float() - want_out.float()).abs().max()) <= tol, (dtype, batch)
@@ -257,17 +257,17 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert float((got_lse[finite] - want_lse[finite]).abs().max()) <= 1e-5
         cases += 1
 # what they refuse: a non-power-of-two head dim, a non-contiguous last dim, 16-bit LSEs
-assert not kernels.dequantize_q8_(torch.empty(1, 4, 2, 96), *q8.quantize_q8(torch.randn(1, 4, 2, 96)), q8.GROUP)
-assert not kernels.merge_lse_(torch.randn(1, 4, 32, 2).transpose(2, 3), torch.zeros(1, 2, 4),
+assert not q8_kernels.dequantize_q8_(torch.empty(1, 4, 2, 96), *q8.quantize_q8(torch.randn(1, 4, 2, 96)), q8.GROUP)
+assert not q8_kernels.merge_lse_(torch.randn(1, 4, 32, 2).transpose(2, 3), torch.zeros(1, 2, 4),
                               torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4))
-assert not kernels.merge_lse_(torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4, dtype=torch.float16),
+assert not q8_kernels.merge_lse_(torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4, dtype=torch.float16),
                               torch.randn(1, 4, 2, 32), torch.zeros(1, 2, 4))
 print("cases", cases)
 ''')
 
 
 def test_q8_and_merge_kernels_match_pytorch_in_the_interpreter():
-    """`kernels.dequantize_q8_` (strided outputs, a batch-1 prefix for two items) and `kernels.merge_lse_` (queries
+    """`q8_kernels.dequantize_q8_` (strided outputs, a batch-1 prefix for two items) and `q8_kernels.merge_lse_` (queries
     that saw no key in one part) against `q8`'s PyTorch paths, float32 / fp16 / bf16."""
     assert "cases 15" in run_in_interpreter(Q8_AND_MERGE)
 
@@ -275,11 +275,11 @@ def test_q8_and_merge_kernels_match_pytorch_in_the_interpreter():
 def test_without_a_gpu_the_q8_kernels_decline():
     if kernels.INTERPRET:
         pytest.skip("this process runs Triton's interpreter")
-    from qkv_core import q8
+    from qkv_core import q8, q8_kernels
     values, scales = q8.quantize_q8(torch.randn(1, 8, 2, 64))
-    assert kernels.dequantize_q8_(torch.empty(1, 8, 2, 64), values, scales, q8.GROUP) is False
+    assert q8_kernels.dequantize_q8_(torch.empty(1, 8, 2, 64), values, scales, q8.GROUP) is False
     out = torch.randn(1, 8, 2, 64)
-    assert kernels.merge_lse_(out, torch.zeros(1, 2, 8), out.clone(), torch.zeros(1, 2, 8)) is False
+    assert q8_kernels.merge_lse_(out, torch.zeros(1, 2, 8), out.clone(), torch.zeros(1, 2, 8)) is False
 
 
 PER_THREAD = textwrap.dedent('''
