@@ -58,6 +58,18 @@ def rerouted_tokens(pack: torch.Tensor, stock: torch.Tensor) -> tuple:
     return int(outliers.sum()), float(rest.abs().max() / stock.abs().max()) if rest.numel() else 0.0
 
 
+def _random_block_(block, device) -> None:
+    """Random weights at a trained model's scale (matrices 1 / sqrt(fan-in), norms near 1, biases near 0)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
+            else:
+                p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+    block.requires_grad_(False)
+
+
 def _flux_blocks(width: int, heads: int, device, dtype, qkv_bias=True):
     import comfy.ldm.flux.layers as layers
     import comfy.ops
@@ -117,13 +129,7 @@ def qwen_image_case(side_tokens: int, text_tokens: int, width=3072, heads=24, ba
         import comfy.ops
         block = qwen_model.QwenImageTransformerBlock(width, heads, width // heads, dtype=dtype, device=device,
                                                      operations=comfy.ops.disable_weight_init)
-        g = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for name, p in block.named_parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
-                else:
-                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+        _random_block_(block, device)
         rows, cols = torch.meshgrid(torch.arange(side_tokens), torch.arange(side_tokens), indexing="ij")
         img_ids = torch.stack((torch.zeros_like(rows), rows - side_tokens // 2, cols - side_tokens // 2), -1)
         txt_ids = (side_tokens // 2 + torch.arange(text_tokens)).view(-1, 1).expand(-1, 3)
@@ -148,13 +154,7 @@ def hidream_case(side_tokens: int, text_tokens: int = 384, width=2560, heads=20)
         import comfy.ops
         block = hidream_model.HiDreamImageTransformerBlock(width, heads, width // heads, 4, 2, dtype=dtype,
                                                            device=device, operations=comfy.ops.disable_weight_init)
-        g = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for name, p in block.named_parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
-                else:
-                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
+        _random_block_(block, device)
         tokens = side_tokens ** 2
         ids = torch.zeros(1, tokens + text_tokens, 3, device=device)
         ids[0, :tokens, 1] = (torch.arange(tokens, device=device) // side_tokens).float()
@@ -197,14 +197,7 @@ def minimax_case(latent_t: int, rows: int, columns: int, audio_rows: int, text_t
         width, heads, head_dim = 5376, 56, 128
         block = minimax_model.DiTBlock(width, heads, head_dim, 14336, 2688, 1e-5, 1e-5, dtype=dtype, device=device,
                                        operations=comfy.ops.disable_weight_init)
-        g = torch.Generator(device=device).manual_seed(0)
-        with torch.no_grad():
-            for name, p in block.named_parameters():
-                if p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
-                else:
-                    p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
-        block.requires_grad_(False)
+        _random_block_(block, device)
         video = latent_t * rows * columns
         tokens = text_tokens + audio_rows + video
         g = torch.Generator(device="cpu").manual_seed(1)
@@ -217,18 +210,6 @@ def minimax_case(latent_t: int, rows: int, columns: int, audio_rows: int, text_t
                       mod_segments=segments, rope_freqs=rope, transformer_options={})
         return block.eval(), inputs, "x", minimax.block_forward
     return build
-
-
-def _random_block_(block, device) -> None:
-    """Random weights at a trained model's scale (matrices 1 / sqrt(fan-in), norms near 1, biases near 0)."""
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in block.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) / p.shape[1] ** 0.5)
-            else:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.02 * torch.randn(p.shape, generator=g, device=device))
-    block.requires_grad_(False)
 
 
 def cogvideox_case(latent_t: int, rows: int, columns: int, text_tokens: int = 226):

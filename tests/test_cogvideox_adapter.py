@@ -10,13 +10,12 @@ import importlib.util
 
 import pytest
 
+import adapter_checks
 import comfy_env
-import working_set_check
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from comfy_env import rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 TEXT_DIM = 48
 # CogVideoX 5B's layout (48 heads of 64, RoPE over three axes), scaled down: 4 heads of 32
 CONFIG = {"image_model": "cogvideox", "num_attention_heads": 4, "attention_head_dim": 32, "in_channels": 16,
@@ -39,16 +38,8 @@ def env():
 
 
 def cogvideox_model(config: dict = CONFIG):
-    """A tiny random-weight CogVideoX from ComfyUI's own config class, float32 on the CPU, as a ModelPatcher."""
-    import torch
-    import comfy.model_patcher
-    import comfy.supported_models
-    model_config = comfy.supported_models.CogVideoX_T2V(dict(config))
-    model_config.set_inference_dtype(torch.float32, None)
-    model = model_config.get_model({}, device=torch.device("cpu"))
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
+    """A tiny random-weight CogVideoX (`adapter_checks.tiny_patcher`)."""
+    return adapter_checks.tiny_patcher("CogVideoX_T2V", config)
 
 
 def cogvideox_inputs(torch, latent=(2, 16, 4, 16, 16), text_tokens=12, seed=1):
@@ -59,25 +50,10 @@ def cogvideox_inputs(torch, latent=(2, 16, 4, 16, 16), text_tokens=12, seed=1):
 
 @pytest.mark.parametrize("temporal_patches", [None, 2])
 def test_equals_stock_at_every_level(env, split_everything, temporal_patches):
-    torch = env.torch
     base = cogvideox_model(dict(CONFIG, patch_size_t=temporal_patches))
     model = base.model.diffusion_model
-    inputs = cogvideox_inputs(torch)
-    reference = forward(base, inputs)
-    heads = model.blocks[0].num_heads
-    for level in LEVELS:
-        for block in (False, True):
-            patched, report = env.node.apply_patch(base, level, "sdpa", block)
-            assert not report.skipped_reasons, report.lines()
-            assert {what: n for (_, what), n in report.patched_counts.items()} == {"block": len(model.blocks)}
-            env.core.reset_notices()
-            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
-                out = forward(base, inputs, applied=patched)
-            assert not stock_fallbacks(env), (level, block)
-            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(heads, 10**6, LEVELS.index(level), floor=0)
-            assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
-    assert rel_err(forward(base, inputs), reference) == 0   # the unpatched model is stock again
+    adapter_checks.check_every_level(env, base, cogvideox_inputs(env.torch), model.blocks[0].num_heads,
+                                     lambda block: {"block": len(model.blocks)})
 
 
 def test_a_block_without_rope(env, split_everything):
@@ -106,7 +82,6 @@ def test_bounded_block_peak(env):
     torch = env.torch
     import comfy.ops
     cogvideo_model = importlib.import_module("comfy.ldm.cogvideo.model")
-    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
     head_dim = WIDTH // HEADS
     block = cogvideo_model.CogVideoXBlock(WIDTH, HEADS, head_dim, 64, device=torch.device("cpu"),
                                           dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
@@ -118,18 +93,5 @@ def test_bounded_block_peak(env):
                encoder_hidden_states=torch.randn(1, TEXT, WIDTH, generator=g).to(torch.bfloat16),
                temb=torch.randn(1, 64, generator=g).to(torch.bfloat16),
                image_rotary_emb=(angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)))
-    x_bytes = inp["hidden_states"].numel() * inp["hidden_states"].element_size()
-    live = [block, list(inp.values())]
-    bounded_forward = env.cogvideox.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
-    with torch.no_grad():
-        env.core.reset_notices()
-        bounded_forward(**inp)   # the self-check, once per process, outside the measurement
-        assert not stock_fallbacks(env)
-        stock = memory.measure_peak(block, **inp, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inp, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
-    print(f"\nCogVideoX block {TOKENS} + {TEXT} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
-          f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
-    working_set_check.assert_estimates(env.pack, env.cogvideox, "block", HEADS, TOKENS, ratio_stock, ratio_bounded)
-    assert ratio_bounded <= 2.5
-    assert bounded.peak_bytes <= 0.4 * stock.peak_bytes
+    adapter_checks.check_block_peak(env, env.cogvideox, block, inp, "hidden_states", HEADS, TOKENS,
+                                    f"CogVideoX block {TOKENS} + {TEXT} tokens x {WIDTH}")

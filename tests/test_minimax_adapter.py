@@ -14,13 +14,12 @@ import types
 
 import pytest
 
+import adapter_checks
 import comfy_env
-import working_set_check
 from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 TEXT_DIM = 96
 # MiniMax H3's layout (hidden 5376, 56 heads of 128, RoPE on 96 channels of each), scaled down
 CONFIG = {"image_model": "minimax_h3", "hidden_size": 256, "num_layers": 2, "token_refiner_num_layers": 1,
@@ -42,19 +41,12 @@ def env():
 
 
 def minimax_model(config: dict = CONFIG, dtype=None):
-    """A tiny random-weight H3 from ComfyUI's own config class, on the CPU, as a ModelPatcher: float32, or its
-    layers in `dtype` but for the ones the model keeps in float32 (the patch embeddings and output heads)."""
+    """A tiny random-weight H3 (`adapter_checks.tiny_patcher`), its RoPE frequencies set (a buffer)."""
     import torch
-    import comfy.model_patcher
-    import comfy.supported_models
-    model_config = comfy.supported_models.MiniMaxH3(dict(config))
-    model_config.set_inference_dtype(dtype or torch.float32, None)
-    model = model_config.get_model({}, device=torch.device("cpu"))
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    inv_freq = model.diffusion_model.rope.inv_freq   # a buffer (fill_random_ fills parameters): RoPE's own values
+    patcher = adapter_checks.tiny_patcher("MiniMaxH3", config, dtype)
+    inv_freq = patcher.model.diffusion_model.rope.inv_freq
     inv_freq.copy_(1.0 / 10000.0 ** (torch.arange(inv_freq.numel(), dtype=torch.float32) / inv_freq.numel()))
-    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
+    return patcher
 
 
 def minimax_inputs(torch, video=(1, 24, 3, 16, 16), audio_frames=8, text_tokens=12, seed=1, context=None):
@@ -91,27 +83,14 @@ def test_twice_the_levels_groups(env):
 
 
 def test_equals_stock_at_every_level(env, split_everything):
-    torch = env.torch
     base = minimax_model()
     model = base.model.diffusion_model
-    inputs = minimax_inputs(torch)
-    reference = forward(base, inputs)
     heads = model.blocks[0].attn.heads
     assert 2 * model.rope.inv_freq.numel() * 3 < model.blocks[0].attn.head_dim   # partial rotary, as H3's
-    for level in LEVELS:
-        for block in (False, True):
-            patched, report = env.node.apply_patch(base, level, "sdpa", block)
-            assert not report.skipped_reasons, report.lines()
-            expected = {"attention": len(model.blocks), **({"block": len(model.blocks)} if block else {})}
-            assert {what: n for (family, what), n in report.patched_counts.items()} == expected
-            env.core.reset_notices()
-            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
-                out = forward(base, inputs, applied=patched)
-            assert not stock_fallbacks(env), (level, block)
-            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = _groups(env, heads, LEVELS.index(level))
-            assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
-    assert rel_err(forward(base, inputs), reference) == 0   # the unpatched model is stock again
+    blocks = len(model.blocks)
+    adapter_checks.check_every_level(env, base, minimax_inputs(env.torch), heads,
+                                     lambda block: {"attention": blocks, **({"block": blocks} if block else {})},
+                                     groups=lambda level: _groups(env, heads, level))
 
 
 def test_masked_rows_and_tagged_text(env, split_everything):
@@ -307,9 +286,7 @@ def test_bounded_block_peak(env):
     torch = env.torch
     import comfy.ops
     minimax_model_module = importlib.import_module("comfy.ldm.minimax.model")
-    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
-    head_dim = WIDTH // HEADS
-    block = minimax_model_module.DiTBlock(WIDTH, HEADS, head_dim, WIDTH * 8 // 3, 48, 1e-5, 1e-5,
+    block = minimax_model_module.DiTBlock(WIDTH, HEADS, WIDTH // HEADS, WIDTH * 8 // 3, 48, 1e-5, 1e-5,
                                           dtype=torch.bfloat16, device=torch.device("cpu"),
                                           operations=comfy.ops.disable_weight_init)
     comfy_env.fill_random_(block, seed=0)
@@ -321,18 +298,5 @@ def test_bounded_block_peak(env):
                mod_segments=[(0, 64, 1), (64, 320, 5), (320, TOKENS, 3)],
                rope_freqs=minimax_model_module.rope_rotation_table(torch.cat((angles, angles), dim=-1),
                                                                    torch.bfloat16))
-    x_bytes = inp["x"].numel() * inp["x"].element_size()
-    live = [block, list(inp.values())]
-    bounded_forward = env.minimax.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
-    with torch.no_grad():
-        env.core.reset_notices()
-        bounded_forward(**env.compat.fresh_inputs(inp))   # the self-check, once per process, outside the measurement
-        assert not stock_fallbacks(env)
-        stock = memory.measure_peak(block, **inp, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inp, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
-    print(f"\nMiniMax H3 block {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
-          f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
-    working_set_check.assert_estimates(env.pack, env.minimax, "block", HEADS, TOKENS, ratio_stock, ratio_bounded)
-    assert ratio_bounded <= 2.5
-    assert bounded.peak_bytes <= 0.4 * stock.peak_bytes
+    adapter_checks.check_block_peak(env, env.minimax, block, inp, "x", HEADS, TOKENS,
+                                    f"MiniMax H3 block {TOKENS} tokens x {WIDTH}")

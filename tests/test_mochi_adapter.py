@@ -9,13 +9,11 @@ import importlib
 
 import pytest
 
+import adapter_checks
 import comfy_env
-import working_set_check
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 TEXT_DIM = 48
 # Mochi 1's layout (24 heads of 128, text 1536 wide beside the video's 3072), scaled down; ComfyUI's block asserts
 # a video feed-forward of 1536 x 8 (its mlp_ratio_x times the width)
@@ -36,16 +34,8 @@ def env():
 
 
 def mochi_model(config: dict = CONFIG):
-    """A tiny random-weight Mochi from ComfyUI's own config class, float32 on the CPU, as a ModelPatcher."""
-    import torch
-    import comfy.model_patcher
-    import comfy.supported_models
-    model_config = comfy.supported_models.GenmoMochi(dict(config))
-    model_config.set_inference_dtype(torch.float32, None)
-    model = model_config.get_model({}, device=torch.device("cpu"))
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    return comfy.model_patcher.ModelPatcher(model.eval(), load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
+    """A tiny random-weight Mochi (`adapter_checks.tiny_patcher`)."""
+    return adapter_checks.tiny_patcher("GenmoMochi", config)
 
 
 def mochi_inputs(torch, latent=(2, 12, 3, 16, 16), text_tokens=12, real_tokens=None, seed=1):
@@ -61,27 +51,13 @@ def mochi_inputs(torch, latent=(2, 12, 3, 16, 16), text_tokens=12, real_tokens=N
 
 @pytest.mark.parametrize("real_tokens", [None, 5])
 def test_equals_stock_at_every_level(env, split_everything, real_tokens):
-    torch = env.torch
     base = mochi_model()
     model = base.model.diffusion_model
     assert not model.blocks[-1].update_y   # the last block leaves the text as it is
-    inputs = mochi_inputs(torch, real_tokens=real_tokens)
-    reference = forward(base, inputs)
-    heads = model.blocks[0].attn.num_heads
-    for level in LEVELS:
-        for block in (False, True):
-            patched, report = env.node.apply_patch(base, level, "sdpa", block)
-            assert not report.skipped_reasons, report.lines()
-            expected = {"attention": len(model.blocks), **({"block": len(model.blocks)} if block else {})}
-            assert {what: n for (_, what), n in report.patched_counts.items()} == expected
-            env.core.reset_notices()
-            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
-                out = forward(base, inputs, applied=patched)
-            assert not stock_fallbacks(env), (level, block)
-            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(heads, 10**6, LEVELS.index(level), floor=0)
-            assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
-    assert rel_err(forward(base, inputs), reference) == 0   # the unpatched model is stock again
+    blocks = len(model.blocks)
+    adapter_checks.check_every_level(env, base, mochi_inputs(env.torch, real_tokens=real_tokens),
+                                     model.blocks[0].attn.num_heads,
+                                     lambda block: {"attention": blocks, **({"block": blocks} if block else {})})
 
 
 # --- peak memory (CPU, MemTracker) ---------------------------------------------------------------------------
@@ -94,7 +70,6 @@ def test_bounded_block_peak(env):
     stands in): stock vs bounded (High, block bounds on), within the planner's working set."""
     torch = env.torch
     import comfy.ops
-    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
     block = env.mochi.mochi_model.AsymmetricJointBlock(WIDTH, WIDTH // 2, HEADS, mlp_ratio_x=12288 / WIDTH,
                                                        qk_norm=True, qkv_bias=False, device=torch.device("cpu"),
                                                        dtype=torch.bfloat16, operations=comfy.ops.disable_weight_init)
@@ -110,18 +85,5 @@ def test_bounded_block_peak(env):
                c=torch.randn(1, WIDTH, generator=g).to(torch.bfloat16),
                y=torch.randn(1, TEXT, WIDTH // 2, generator=g).to(torch.bfloat16),
                rope_cos=angles.cos(), rope_sin=angles.sin(), crop_y=TEXT)
-    x_bytes = inp["x"].numel() * inp["x"].element_size()
-    live = [block, list(inp.values())]
-    bounded_forward = env.mochi.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
-    with torch.no_grad():
-        env.core.reset_notices()
-        bounded_forward(**inp)   # the self-check, once per process, outside the measurement
-        assert not stock_fallbacks(env)
-        stock = memory.measure_peak(block, **inp, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inp, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
-    print(f"\nMochi block {TOKENS} + {TEXT} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "
-          f"{ratio_bounded:.2f}x|x| ({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
-    working_set_check.assert_estimates(env.pack, env.mochi, "block", HEADS, TOKENS, ratio_stock, ratio_bounded)
-    assert ratio_bounded <= 2.5
-    assert bounded.peak_bytes <= 0.4 * stock.peak_bytes
+    adapter_checks.check_block_peak(env, env.mochi, block, inp, "x", HEADS, TOKENS,
+                                    f"Mochi block {TOKENS} + {TEXT} tokens x {WIDTH}")
