@@ -389,14 +389,15 @@ def probe_heads(module, heads: str, head_dim: str, stream=None, norms: Sequence[
     return (None, None, reason) if reason else (count, dim, None)
 
 
-def probe_linear(module, name: str, out_features: int, in_features: Optional[int] = None) -> Optional[str]:
+def probe_linear(module, name: str, out_features: Optional[int], in_features: Optional[int] = None) -> Optional[str]:
     """Why `module`'s layer `name` (an attribute path) is not a Linear-shaped layer (a 2-D weight) to
-    `out_features` features (from `in_features`, where given), or None."""
+    `out_features` features (any, for None) from `in_features` (any, for None), or None."""
     weight = getattr(attribute(module, name), "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[0] != out_features or \
+    if weight is None or weight.dim() != 2 or (out_features is not None and weight.shape[0] != out_features) or \
             (in_features is not None and weight.shape[1] != in_features):
         source = "" if in_features is None else f" from {in_features}"
-        return f"{name} is not a Linear{source} to {out_features} features"
+        target = "" if out_features is None else f" to {out_features} features"
+        return f"{name} is not a Linear{source}{target}"
     return None
 
 

@@ -41,7 +41,7 @@ from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_SPLIT_HALF, StreamPro
 from ..block_parts import mlp_residual_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
-from .family import BlockList, Family, layout, probe_heads, probe_part
+from .family import BlockList, Family, layout, probe_heads, probe_linear, probe_part
 
 FAMILY = "MiniMax H3"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("minimax")
@@ -69,12 +69,7 @@ def probe_attention(attention) -> Optional[str]:
     """None when an `Attention` has the structure the pack's forward uses (whether it computes the same is the
     self-check's job)."""
     heads, head_dim, reason = probe_heads(attention, "heads", "head_dim", FORM.streams[0], ("q_norm", "k_norm"))
-    if reason:
-        return reason
-    weight = getattr(getattr(attention, "out_proj", None), "weight", None)
-    if weight is None or weight.dim() != 2 or weight.shape[1] != heads * head_dim:
-        return f"out_proj is not a Linear from {heads * head_dim} features"
-    return None
+    return reason or probe_linear(attention, "out_proj", None, heads * head_dim)
 
 
 def probe_block(block) -> Optional[str]:
