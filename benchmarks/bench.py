@@ -7,6 +7,7 @@
     python -m benchmarks.bench --comfyui [PATH] --whole-model [options]   # benchmarks/wan_model.py
     python -m benchmarks.bench --comfyui [PATH] --families [options]      # benchmarks/family_blocks.py
     python -m benchmarks.bench --comfyui [PATH] --family-models [options] # benchmarks/family_models.py
+    python -m benchmarks.bench --comfyui [PATH] --minimax-model [options] # benchmarks/minimax_model.py
     python -m benchmarks.bench --comfyui [PATH] --report-check [options]  # benchmarks/report_check.py (CUDA)
 
 Run from the repository root (`scripts/bench` does). Until this change the runner was `qkv_core/bench.py`
@@ -440,6 +441,8 @@ def main(argv=None) -> int:
         return run_references(argv)
     if "--family-models" in argv:
         return run_family_models(argv)
+    if "--minimax-model" in argv:
+        return _run_pack_module(argv, "--minimax-model", "minimax_model")
     if "--report-check" in argv:
         return _run_pack_module(argv, "--report-check", "report_check")
     args = parse_args(argv)

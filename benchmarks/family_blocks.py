@@ -284,11 +284,12 @@ CASES = {case.name: case for case in (
     Case("wan-block-480p", "Wan 2.x 14B block, 832x480 x 81 frames (32,760 tokens + 512 text)", wan_case((21, 30, 52))),
     Case("wan-block-720p", "Wan 2.x 14B block, 1280x720 x 81 frames (75,600 tokens + 512 text)",
          wan_case((21, 45, 80))),
-    # MiniMax H3 at its default canvas, 1344x768 (42 x 24 patches a latent frame), 24 fps with 40 Hz stereo audio
-    Case("minimax-1344x768x124", "MiniMax H3 block, 1344x768 x 124 frames (31,248 video + 414 audio + 512 text)",
-         minimax_case(31, 24, 42, 414)),
-    Case("minimax-1344x768x362", "MiniMax H3 block, 1344x768 x 362 frames (91,728 video + 1,206 audio + 512 text)",
-         minimax_case(91, 24, 42, 1206)),
+    # MiniMax H3 at its default canvas, 1344x768 (42 x 24 patches a latent frame), 24 fps (124 frames: 37 latent
+    # frames, 362: 107) with 40 Hz stereo audio
+    Case("minimax-1344x768x124", "MiniMax H3 block, 1344x768 x 124 frames (37,296 video + 414 audio + 512 text)",
+         minimax_case(37, 24, 42, 414)),
+    Case("minimax-1344x768x362", "MiniMax H3 block, 1344x768 x 362 frames (107,856 video + 1,206 audio + 512 text)",
+         minimax_case(107, 24, 42, 1206)),
     # CogVideoX 1.5 5B at 1360x768 x 81 frames: 21 latent frames in 11 temporal patches, 48 x 85 patches a frame
     Case("cogvideox-1360x768x81", "CogVideoX 1.5 5B block, 1360x768 x 81 frames (44,880 video + 226 text)",
          cogvideox_case(11, 48, 85)),
