@@ -319,7 +319,7 @@ def test_every_adapter_meets_the_family_contract(env):
     with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, WORKING_SETS, patch, "):
         family.check_adapter(broken)
     names = ("FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections",
-             "block_kinds", "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "WORKING_SETS")
+             "block_kinds", "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "GROUP_SCALE", "WORKING_SETS")
     inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in names},
                                MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
     with pytest.raises(ValueError, match=r"0 < split <= unsplit <= 1"):
@@ -342,6 +342,9 @@ def test_every_adapter_meets_the_family_contract(env):
             family.check_adapter(SimpleNamespace(**{**contract, "SPLIT_FLOOR_SCALE": bad}))
     with pytest.raises(ValueError, match=r"SHORT_RUNS_STOCK must be True or False"):
         family.check_adapter(SimpleNamespace(**{**contract, "SHORT_RUNS_STOCK": 1}))
+    for bad in (0.5, True, "2"):   # the family's multiple of the level's head groups
+        with pytest.raises(ValueError, match=r"GROUP_SCALE must be a number >= 1"):
+            family.check_adapter(SimpleNamespace(**{**contract, "GROUP_SCALE": bad}))
     family.check_adapter(SimpleNamespace(**contract))
 
 
