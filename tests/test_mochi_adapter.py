@@ -33,9 +33,23 @@ def env():
     return env
 
 
-def mochi_model(config: dict = CONFIG):
-    """A tiny random-weight Mochi (`adapter_checks.tiny_patcher`)."""
-    return adapter_checks.tiny_patcher("GenmoMochi", config)
+def mochi_model(config: dict = CONFIG, small_feed_forward: bool = True):
+    """A tiny random-weight Mochi (`adapter_checks.tiny_patcher`). `small_feed_forward`: its video feed-forward 4x
+    the width as Mochi 1's (ComfyUI's block asserts Mochi's own 12,288: a FeedForward of ComfyUI's class stands in,
+    random too); False: as ComfyUI's config class builds it (a model rebuilt from its state dict must be)."""
+    import torch
+    import comfy.ops
+    layers = importlib.import_module("comfy.ldm.genmo.joint_model.layers")
+    patcher = adapter_checks.tiny_patcher("GenmoMochi", config)
+    if not small_feed_forward:
+        return patcher
+    width = config["hidden_size_x"]
+    for index, block in enumerate(patcher.model.diffusion_model.blocks):
+        block.mlp_x = layers.FeedForward(width, 4 * width, multiple_of=256, ffn_dim_multiplier=None,
+                                         device=torch.device("cpu"), dtype=torch.float32,
+                                         operations=comfy.ops.disable_weight_init)
+        comfy_env.fill_random_(block.mlp_x, seed=index + 1)
+    return patcher
 
 
 def mochi_inputs(torch, latent=(2, 12, 3, 16, 16), text_tokens=12, real_tokens=None, seed=1):
