@@ -10,8 +10,7 @@
     python -m benchmarks.bench --comfyui [PATH] --minimax-model [options] # benchmarks/minimax_model.py
     python -m benchmarks.bench --comfyui [PATH] --report-check [options]  # benchmarks/report_check.py (CUDA)
 
-Run from the repository root (`scripts/bench` does). Until this change the runner was `qkv_core/bench.py`
-(`python -m qkv_core.bench`); the benchmarks are not part of the node pack's runtime.
+Run from the repository root (`scripts/bench` does); the benchmarks are not part of the node pack's runtime.
 
 The layer: width 5120, 40 heads of 128, q/k/v/o Linear with bias, RMSNorm over all 5120 channels of q and of
 k (eps 1e-6, with a weight), RoPE with Wan's 3-axis frequencies (interleaved pairs, axes [44, 42, 42] over

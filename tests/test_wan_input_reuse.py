@@ -12,7 +12,8 @@ import pytest
 
 import comfy_env
 from test_input_reuse import NAME, row_tiled_backend
-from test_wan_compat import _fp8_wan, forward, rel_err
+from test_wan_compat import forward, rel_err
+from test_wan_formats import _fp8_wan
 
 pytestmark = pytest.mark.comfyui
 
