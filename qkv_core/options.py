@@ -60,9 +60,10 @@ class AttentionOptions:
     split_floor_tokens : int, optional
         The fewest query tokens of one batch item that are split. Default `SPLIT_FLOOR_TOKENS`.
     head_split_group_scale : float, optional
-        The level's target count of head groups times this (a number >= 1): for a model whose attention is
-        wider than its hidden state (MiniMax H3: 7168 over 5376), the output buffer of every head takes more
-        of the level's budget and each group must hold less. Default 1.
+        The level's target count of head groups times this (a number > 0): above 1 for a model whose attention
+        is wider than its hidden state (MiniMax H3: 7168 over 5376: the output buffer of every head takes more of
+        the level's budget, each group must hold less), under 1 where a model's split calls are bound by the
+        host's launches and its fewer groups still hold the level's peak (HiDream). Default 1.
     capture_kv : tuple, optional
         ``(layer, start, stop)``: the keys and values of key/value tokens ``[start, stop)``, as attention sees
         them, stored into `layer` (a `PrefixLayer`) for later calls' `kv_prefix`.

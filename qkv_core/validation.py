@@ -159,8 +159,8 @@ def validate_call(o: AttentionOptions, streams: CallStreams) -> None:
         raise ValueError(f"split_floor_tokens is the fewest tokens (of one batch item) that are split, an int "
                          f">= 0, not {o.split_floor_tokens!r}; leave it out for the default")
     scale = o.head_split_group_scale
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1):
-        raise ValueError(f"head_split_group_scale multiplies the level's head groups, a number >= 1, not "
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"head_split_group_scale multiplies the level's head groups, a number > 0, not "
                          f"{scale!r}; leave it out for the default")
     if o.softmax_scale is not None and (o.force_attention != "sdpa" or o.attention_fn is not None):
         raise ValueError("softmax_scale is only honoured by the SDPA path: pass force_attention='sdpa' and no "

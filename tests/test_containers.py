@@ -13,7 +13,7 @@ import pytest
 
 import comfy_env
 import family_cases
-from test_family_contract import CASE_SPLIT_FLOOR, _family_floor, _forward, rel_err  # noqa: F401 - fixtures
+from test_family_contract import CASE_SPLIT_FLOOR, _family_floor, _forward, family_groups, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
 
@@ -64,7 +64,7 @@ def test_every_family_with_containers(env, containers, family):
         out = _forward(case, applied=patched)
     assert not [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line], family
     assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
-    groups = env.core.group_count(case.kv_heads, 10**6, 3)
+    groups = family_groups(env, family, case.kv_heads, 3)
     assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, spy.self_heads)
 
 

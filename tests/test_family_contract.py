@@ -96,6 +96,12 @@ def _forward(case, applied=None, weights=False):
             applied.unpatch_model(unpatch_weights=weights)
 
 
+def family_groups(env, family: str, kv_heads: int, level: int) -> int:
+    """The head groups of a long call of `family`'s (a case name) at `level` (0-3), its `GROUP_SCALE` applied."""
+    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
+    return env.core.SplitPolicy(level, group_scale=adapter.GROUP_SCALE).plan(kv_heads, 10**6).groups
+
+
 def rel_err(a, b):
     """max |a - b| / max |b|; the largest over the streams of a model with several outputs (MiniMax H3's video and
     audio, a list or a nested latent)."""
@@ -123,7 +129,7 @@ def test_patched_equals_stock_at_every_level(env, family):
                 out = _forward(case, applied=patched)
             assert not _fallbacks(env), (family, level, bounds)
             assert rel_err(out, reference) <= 1e-5, (family, level, bounds, rel_err(out, reference))
-            groups = env.core.group_count(case.kv_heads, 10**6, LEVELS.index(level))
+            groups = family_groups(env, family, case.kv_heads, LEVELS.index(level))
             assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, level, spy.self_heads)
     assert rel_err(_forward(case), reference) == 0   # the unpatched model is stock again
 
@@ -210,7 +216,7 @@ def _equals_stock_and_splits(env, case, family):
         out = _forward(case, applied=patched)
     assert not _fallbacks(env), family
     assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
-    groups = env.core.group_count(case.kv_heads, 10**6, 3)
+    groups = family_groups(env, family, case.kv_heads, 3)
     assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, spy.self_heads)
 
 
@@ -262,7 +268,7 @@ def test_each_family_splits_from_its_own_floor(env, family):
     if scale > 1:
         assert set(spy.self_heads) == {heads}, (family, scale, spy.self_heads)   # whole: all heads in one call
     else:
-        assert heads // env.core.group_count(case.kv_heads, 10**6, 3) in spy.self_heads, (family, spy.self_heads)
+        assert heads // family_groups(env, family, case.kv_heads, 3) in spy.self_heads, (family, spy.self_heads)
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))

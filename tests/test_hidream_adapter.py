@@ -64,7 +64,7 @@ def patched_counts(report) -> dict:
     return {what: n for (family, what), n in report.patched_counts.items()}
 
 
-def test_every_attention_equals_stock_at_every_level(env, split_everything):
+def test_every_attention_equals_stock_at_every_level(env, hidream, split_everything):
     torch = env.torch
     base = hidream_model()
     inputs = hidream_inputs(torch, batch=2)
@@ -79,7 +79,8 @@ def test_every_attention_equals_stock_at_every_level(env, split_everything):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, bounds)
             assert rel_err(out, reference) <= 1e-5, (level, bounds, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            groups = env.core.SplitPolicy(LEVELS.index(level), 0, group_scale=hidream.GROUP_SCALE).plan(
+                HEADS, 10**6).groups
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)
 

@@ -405,7 +405,9 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
     stock, reference, ours = (_joined(out) for out in (stock, reference, ours))
     fallbacks = [line for line in notices if "runs as ComfyUI's own" in line]
     assert not fallbacks, (row, fallbacks)
-    group = (spec.heads or spec.kv_heads) // env.core.group_count(spec.kv_heads, 10**6, 3)
+    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{spec.adapter}")
+    groups = env.core.SplitPolicy(3, group_scale=adapter.GROUP_SCALE).plan(spec.kv_heads, 10**6).groups
+    group = (spec.heads or spec.kv_heads) // groups
     assert group in spy.longest(), (row, "no head split", spy.calls, notices)
     assert ours.shape == stock.shape and ours.dtype == stock.dtype, row
     assert bool(torch.isfinite(stock).all()) and bool(torch.isfinite(reference).all()), row

@@ -342,8 +342,8 @@ def test_every_adapter_meets_the_family_contract(env):
             family.check_adapter(SimpleNamespace(**{**contract, "SPLIT_FLOOR_SCALE": bad}))
     with pytest.raises(ValueError, match=r"SHORT_RUNS_STOCK must be True or False"):
         family.check_adapter(SimpleNamespace(**{**contract, "SHORT_RUNS_STOCK": 1}))
-    for bad in (0.5, True, "2"):   # the family's multiple of the level's head groups
-        with pytest.raises(ValueError, match=r"GROUP_SCALE must be a number >= 1"):
+    for bad in (0, -1, True, "2"):   # the family's multiple of the level's head groups
+        with pytest.raises(ValueError, match=r"GROUP_SCALE must be a number > 0"):
             family.check_adapter(SimpleNamespace(**{**contract, "GROUP_SCALE": bad}))
     family.check_adapter(SimpleNamespace(**contract))
 

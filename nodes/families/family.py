@@ -38,8 +38,8 @@ class FamilyAdapter(Protocol):
     SPLIT_FLOOR_SCALE: float         # the family's split floor as a multiple of the runtime's (>= 1,
     # `dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
     SHORT_RUNS_STOCK: bool           # calls under that floor run ComfyUI's own forwards (the planner counts stock's)
-    GROUP_SCALE: float               # the level's head groups times this (>= 1): a family whose attention is wider
-    # than its hidden state holds the output buffer of every head beside its input (`dispatch.family_config`)
+    GROUP_SCALE: float               # the level's head groups times this (> 0): above 1 where a family's attention is
+    # wider than its hidden state, under 1 where its split calls are host-bound (`dispatch.family_config`)
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""
@@ -86,8 +86,8 @@ def check_adapter(adapter) -> None:
         raise ValueError(f"{adapter.FAMILY}: SPLIT_FLOOR_SCALE must be a number >= 1 (a multiple of the runtime's "
                          f"split floor), got {scale!r}")
     group_scale = adapter.GROUP_SCALE
-    if isinstance(group_scale, bool) or not isinstance(group_scale, (int, float)) or not group_scale >= 1:
-        raise ValueError(f"{adapter.FAMILY}: GROUP_SCALE must be a number >= 1 (a multiple of the level's head "
+    if isinstance(group_scale, bool) or not isinstance(group_scale, (int, float)) or not group_scale > 0:
+        raise ValueError(f"{adapter.FAMILY}: GROUP_SCALE must be a number > 0 (a multiple of the level's head "
                          f"groups), got {group_scale!r}")
     if not isinstance(adapter.SHORT_RUNS_STOCK, bool):
         raise ValueError(f"{adapter.FAMILY}: SHORT_RUNS_STOCK must be True or False, got {adapter.SHORT_RUNS_STOCK!r}")
@@ -342,11 +342,13 @@ class Family:
         - ComfyUI's forward for a call with another node's hooks `hooks_inside` (those ComfyUI's forward calls on
           whole q/k/v, which the head split never holds), else as `refuse_call(bound)` says;
         - whether its layers quantize their inputs (a looser tolerance);
-        - the family's `short_runs_stock` in `config`'s split policy (what the patch loop's `family_config` sets).
+        - the family's `short_runs_stock` and `group_scale` in `config`'s split policy (what the patch loop's
+          `family_config` sets: a forward made for a plain config splits as the patched model's).
         `residual`, `refuse_more`, `routed`: as `compat.guard_module` takes them."""
         names = tuple(names)
-        if config.short_runs_stock != self.short_runs_stock:
-            config = config._replace(short_runs_stock=self.short_runs_stock)
+        row = TABLE[self.module]
+        if (config.short_runs_stock, config.group_scale) != (row.short_runs_stock, row.group_scale):
+            config = config._replace(short_runs_stock=row.short_runs_stock, group_scale=row.group_scale)
         functions = functions or (lambda: self.functions(module))
 
         def refuse(bound: dict) -> Optional[str]:

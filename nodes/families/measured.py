@@ -69,9 +69,10 @@ class Measured:
     runtime's (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter
     sequences; `short_runs_stock`: calls whose sequences are all under that floor run ComfyUI's own forwards
     (`compat.guard_module`; the planner then counts stock's peak there): both measured where `floor_where` says.
-    `group_scale`: the level's target count of head groups times this (`SplitPolicy.group_scale`), for a family
-    whose attention is wider than its hidden state: the output buffer of every head then takes more of the
-    level's peak, and each group must hold less (measured where `working_sets_where` says)."""
+    `group_scale`: the level's target count of head groups times this (`SplitPolicy.group_scale`): above 1 for a
+    family whose attention is wider than its hidden state (the output buffer of every head then takes more of the
+    level's peak, each group must hold less), under 1 for one whose split calls are bound by the host's launches
+    and whose fewer groups still hold the level's peak (measured where `working_sets_where` says)."""
 
     memory_factors: MemoryFactors
     working_sets: dict
@@ -176,12 +177,16 @@ TABLE = {
                                "tokens) 0.64 unsplit"),
         {"block": cpu_block(12.3, 2.04, "tests/test_cosmos_memory.py (stock 11.08 on v0.33, 14.00 on v0.8.0)")},
         split_floor_scale=3.5),
-    # ComfyUI's own estimate: the whole model needed 0.97 of it, not enough saved to plan with less.
+    # ComfyUI's own estimate: the whole model needed 0.97 of it, not enough saved to plan with less. Half the
+    # level's head groups (High: 10 of its 20 heads' groups): its split blocks are bound by the host's launches
+    # (double block at 2048^2 on an H200, 20 groups: 2.47 x |x| at 1.19-1.45x stock's time), and with a tenth of
+    # the groups' keys kept by the statistics pass (`hidream.BLOCK_KEPT_KEYS`) 10 groups hold 2.36 x |x| at 1.00x.
     "hidream": Measured(
         whole_model(1.0, 1.0, "HiDream-I1 1024^2 0.97 unsplit (split not measured)"),
-        {"block": cpu_block(15.35, 2.30, "tests/test_hidream_adapter.py (double block: 2.45 x |x| at 16 groups, the "
+        {"block": cpu_block(15.35, 2.15, "tests/test_hidream_adapter.py (double block: 2.46 x |x| at 8 groups, the "
                                          "split attention's peak; its bounded mixture of experts 2.25 x |x| with "
-                                         "the output)", setup=f"{CPU_BLOCK}, 4 experts")}),
+                                         "the output)", setup=f"{CPU_BLOCK}, 4 experts")},
+        group_scale=0.5),
     # Twice the level's head groups: its attention (56 heads of 128) is 1.33x its hidden width (5376), so the
     # output buffer of every head and the modulated input held beside it take 2.33 |x|; a block of 31,248 video
     # tokens on an H200 held 2.62 x |x| in High's 14 groups. Not measured on a whole model: ComfyUI's own estimate.
