@@ -189,9 +189,12 @@ TABLE = {
         group_scale=0.5),
     # Twice the level's head groups: its attention (56 heads of 128) is 1.33x its hidden width (5376), so the
     # output buffer of every head and the modulated input held beside it take 2.33 |x|; a block of 31,248 video
-    # tokens on an H200 held 2.62 x |x| in High's 14 groups. Not measured on a whole model: ComfyUI's own estimate.
+    # tokens on an H200 held 2.62 x |x| in High's 14 groups. ComfyUI's own estimate: it is already under what the
+    # pack's run uses, so less would plan for less than the run needs.
     "minimax": Measured(
-        whole_model(1.0, 1.0, "MiniMax H3: not measured on a whole model; ComfyUI's own estimate"),
+        whole_model(1.0, 1.0, "H3 (4 of its 50 blocks) 1344x768 x 124 / 260 / 362: ComfyUI's estimate 0.66 / 1.38 / "
+                              "1.92 GiB, stock's call 4.59 / 9.53 / 13.23, the pack's 1.91 / 3.98 / 5.52: the estimate "
+                              "is under the pack's use already"),
         {"block": cpu_block(10.0, 2.04, "tests/test_minimax_adapter.py (16 groups: 2.19 x |x|)")},
         group_scale=2),
     # The runtime's own floor. Not measured on a whole model: ComfyUI's own estimate.
