@@ -386,13 +386,22 @@ def as_gguf(patcher, qtype="Q8_0"):
     size; the rest F32), as ``make_gguf_wan`` does for Wan: a ``GGUFModelPatcher``."""
     require_gguf()
     import torch
-    import comfy.model_patcher
     qt = qtype_enum(qtype)
     model = patcher.model
     linear = {f"{name}.weight" for name, m in model.diffusion_model.named_modules() if isinstance(m, torch.nn.Linear)}
     float_sd = {k: v.detach().clone() for k, v in model.diffusion_model.state_dict().items()}
     sd = gguf_state_dict(float_sd, qt, lambda key, value, q: key in linear and value.ndim == 2
                          and value.shape[-1] % block_size(q) == 0)
+    out = rebuilt_gguf_patcher(model, sd)
+    out.gguf_keys = sorted(k for k, v in sd.items() if is_quantized(v))
+    return out
+
+
+def rebuilt_gguf_patcher(model, sd):
+    """`model` (a BaseModel built from ComfyUI's config class) rebuilt from the GGUF state dict `sd` with
+    ComfyUI-GGUF's ``GGMLOps``, float32 compute, on the CPU: a ``GGUFModelPatcher``."""
+    import torch
+    import comfy.model_patcher
     config = type(model.model_config)(dict(model.model_config.unet_config))
     config.set_inference_dtype(torch.float32, None)
     config.custom_operations = _new_ops()
@@ -401,9 +410,7 @@ def as_gguf(patcher, qtype="Q8_0"):
     rebuilt.eval()
     base = comfy.model_patcher.ModelPatcher(rebuilt, load_device=torch.device("cpu"),
                                             offload_device=torch.device("cpu"))
-    out = pack_module("nodes").GGUFModelPatcher.clone(base)
-    out.gguf_keys = sorted(k for k, v in sd.items() if is_quantized(v))
-    return out
+    return pack_module("nodes").GGUFModelPatcher.clone(base)
 
 
 def write_gguf_file(path, sd, arch="wan"):

@@ -3,7 +3,8 @@ types where a layer's rows do not split into 256-blocks, or city96's F16 files),
 and ComfyUI-GGUF's own layers. Reachable as ``gguf_env.as_gguf_file_mix``."""
 from __future__ import annotations
 
-from gguf_env import _new_ops, block_size, f32_tensor, pack_module, qtype_enum, quantize_tensor, require_gguf
+from gguf_env import (block_size, f32_tensor, pack_module, qtype_enum, quantize_tensor, rebuilt_gguf_patcher,
+                      require_gguf)
 
 
 # The type llama.cpp's quantizer stores a tensor in when its rows do not split into the K-quant's 256-blocks
@@ -29,7 +30,6 @@ def as_gguf_file_mix(patcher, qtype="Q4_K", fallback=None):
     keys not F32) and ``gguf_types`` ({key: type name})."""
     require_gguf()
     import torch
-    import comfy.model_patcher
     qt = qtype_enum(qtype)
     fallback = fallback or K_QUANT_FALLBACK.get(qt.name)
     model = patcher.model
@@ -47,15 +47,7 @@ def as_gguf_file_mix(patcher, qtype="Q4_K", fallback=None):
                     break
         if key not in sd:
             sd[key] = f32_tensor(value)
-    config = type(model.model_config)(dict(model.model_config.unet_config))
-    config.set_inference_dtype(torch.float32, None)
-    config.custom_operations = _new_ops()
-    rebuilt = config.get_model(sd, "", device=torch.device("cpu"))
-    rebuilt.load_model_weights(dict(sd), "")
-    rebuilt.eval()
-    base = comfy.model_patcher.ModelPatcher(rebuilt, load_device=torch.device("cpu"),
-                                            offload_device=torch.device("cpu"))
-    out = pack_module("nodes").GGUFModelPatcher.clone(base)
+    out = rebuilt_gguf_patcher(model, sd)
     out.gguf_keys = sorted(types)
     out.gguf_types = types
     return out
