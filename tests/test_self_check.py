@@ -138,9 +138,16 @@ def test_a_change_of_math_on_quantized_weights_runs_stock(env, monkeypatch, capl
 
 def test_the_reference_leaves_every_layers_cast_flags_as_they_were(env):
     """`exact_reference` sets each ComfyUI layer's cast flags for its one forward and restores them, also when
-    the forward raises: flags set by ComfyUI (a low-VRAM load) stay set, flags it never set stay unset."""
+    the forward raises: flags set by ComfyUI (a low-VRAM load) stay set, flags it never set stay unset. fp8-scaled
+    layers where this ComfyUI has them (v0.8.0+), else fp8 weights cast per call (v0.3.x)."""
     torch = env.torch
-    block = comfy_env.make_fp8_scaled_wan("t2v", dtype=torch.bfloat16, **MODEL).model.diffusion_model.blocks[0]
+    import comfy.ops
+    if hasattr(comfy.ops, "mixed_precision_ops"):
+        base = comfy_env.make_fp8_scaled_wan("t2v", dtype=torch.bfloat16, **MODEL)
+    else:
+        base = comfy_env.make_wan("t2v", **MODEL)
+        comfy_env.fp8_cast_per_call_(base.model.diffusion_model)
+    block = base.model.diffusion_model.blocks[0]
     block.ffn[2].comfy_cast_weights = True   # as a low-VRAM load leaves it
     before = {name: dict(layer.__dict__) for name, layer in block.named_modules()}
 
