@@ -187,4 +187,5 @@ def load_pack_module(name: str, path: Optional[str], device: torch.device, flags
     return importlib.import_module(f"{PACK_PACKAGE}.benchmarks.{name}"), root, notes
 
 
-__all__ = ["PACK_ROOT", "PACK_PACKAGE", "SHARED_PACKAGES", "STUBBED", "find_comfyui", "setup_comfyui", "load_pack_module"]
+__all__ = ["PACK_ROOT", "PACK_PACKAGE", "SHARED_PACKAGES", "STUBBED", "find_comfyui", "setup_comfyui",
+           "load_pack_module"]

@@ -224,6 +224,6 @@ def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, t
 
 
 __all__ = ["is_rms_norm", "NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
-           "ROPE_COS_SIN_HALVES", "ROPE_COS_SIN_PAIRS", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend", "rope_rows",
-           "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
+           "ROPE_COS_SIN_HALVES", "ROPE_COS_SIN_PAIRS", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend",
+           "rope_rows", "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
            "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]

@@ -73,12 +73,12 @@ def test_a_block_without_rope(env, split_everything):
 
 
 # --- peak memory (CPU, MemTracker) ---------------------------------------------------------------------------
-WIDTH, HEADS, TOKENS, TEXT = 512, 16, 12288, 226
+WIDTH, HEADS, TOKENS, TEXT = 512, 16, 16384, 226   # twice the runtime's split floor
 
 
 def test_bounded_block_peak(env):
-    """One block of 12,288 video tokens x width 512 and 226 text tokens in bf16, with RoPE: stock vs bounded (High,
-    block bounds on), within the planner's working set."""
+    """One block of 16,384 video tokens (2x the split floor) x width 512 and 226 text tokens in bf16, with RoPE: stock
+    vs bounded (High, block bounds on), within the planner's working set."""
     torch = env.torch
     import comfy.ops
     cogvideo_model = importlib.import_module("comfy.ldm.cogvideo.model")

@@ -196,7 +196,8 @@ class KJStyle:
             return torch.cat(parts)
 
         for index, block in enumerate(patcher.model.diffusion_model.blocks):
-            patcher.add_object_patch(f"diffusion_model.blocks.{index}.mlp.forward", types.MethodType(mlp_forward, block.mlp))
+            patcher.add_object_patch(f"diffusion_model.blocks.{index}.mlp.forward",
+                                     types.MethodType(mlp_forward, block.mlp))
         return patcher
 
 
@@ -276,13 +277,13 @@ def test_kj_chunked_feed_forward_in_either_order(env, split_everything, kj_first
 
 
 # --- peak memory (CPU, MemTracker) ---------------------------------------------------------------------------
-WIDTH, HEADS, TOKENS = 512, 16, 12288
+WIDTH, HEADS, TOKENS = 512, 16, 16384   # twice the runtime's split floor
 
 
 def test_bounded_block_peak(env):
-    """One DiTBlock of 12,288 tokens x width 512 in bf16 (16 heads of 32, RoPE on 24 of each head's channels, H3's
-    FFN ratio 2.67 in SwiGLU), text, audio and video segments: stock vs bounded (High, block bounds on), within the
-    planner's working set."""
+    """One DiTBlock of 16,384 tokens (2x the split floor) x width 512 in bf16 (16 heads of 32, RoPE on 24 of each
+    head's channels, H3's FFN ratio 2.67 in SwiGLU), text, audio and video segments: stock vs bounded (High, block
+    bounds on), within the planner's working set."""
     torch = env.torch
     import comfy.ops
     minimax_model_module = importlib.import_module("comfy.ldm.minimax.model")

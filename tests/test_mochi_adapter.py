@@ -75,13 +75,13 @@ def test_equals_stock_at_every_level(env, split_everything, real_tokens):
 
 
 # --- peak memory (CPU, MemTracker) ---------------------------------------------------------------------------
-WIDTH, HEADS, TOKENS, TEXT = 512, 16, 12288, 256
+WIDTH, HEADS, TOKENS, TEXT = 512, 16, 16384, 256   # twice the runtime's split floor
 
 
 def test_bounded_block_peak(env):
-    """One block of 12,288 video tokens x width 512 and 256 text tokens in bf16, per-head RoPE, Mochi's proportions
-    (its video feed-forward 4x the width: ComfyUI's block asserts Mochi's own 12,288, so a FeedForward of 4 x 512
-    stands in): stock vs bounded (High, block bounds on), within the planner's working set."""
+    """One block of 16,384 video tokens (2x the split floor) x width 512 and 256 text tokens in bf16, per-head RoPE,
+    Mochi's proportions (its video feed-forward 4x the width: ComfyUI's block asserts Mochi's own 12,288, so a
+    FeedForward of 4 x 512 stands in): stock vs bounded (High, block bounds on), within the planner's working set."""
     torch = env.torch
     import comfy.ops
     block = env.mochi.mochi_model.AsymmetricJointBlock(WIDTH, WIDTH // 2, HEADS, mlp_ratio_x=12288 / WIDTH,
