@@ -205,7 +205,8 @@ TABLE = {
     # The runtime's own floor. Not measured on a whole model: ComfyUI's own estimate.
     "cogvideox": Measured(
         whole_model(1.0, 1.0, "CogVideoX: not measured on a whole model; ComfyUI's own estimate"),
-        {"block": cpu_block(18.3, 2.34, "tests/test_cogvideox_adapter.py (16 groups: 2.49 x |x|, with RoPE)")}),
+        {"block": cpu_block(18.3, 2.34, "tests/test_cogvideox_adapter.py (16 groups: 2.48-2.49 x |x| at 12,288 and "
+                                        "16,384 tokens, with RoPE)")}),
 }
 
 
