@@ -30,7 +30,7 @@ except ImportError:   # a ComfyUI without Mochi: nothing matches
     mochi_model = None
 
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_COS_SIN_PAIRS, StreamProjections, attend
-from ..block_parts import foreign_part, mlp_residual_
+from ..block_parts import foreign_part, mlp_residual_, output_projection_
 from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
 from .family import BlockList, Family, probe_heads, probe_linear, probe_part
@@ -118,12 +118,9 @@ def run_attention(attention, config, x, y, scale_x, scale_y, crop_y, transformer
     del x   # the caller still holds the block's input: only the modulated copy goes
     attended = attention_heads(attention, config, handed_off, [mochi_model.modulated_rmsnorm(y, scale_y)[:, :crop_y]],
                                rope_cos, rope_sin, transformer_options).flatten(2)
-    video = attended[:, :tokens]
-    out = torch.empty_like(video)
-    step = chunk_tokens(tokens, video.shape[0] * video.shape[2], max(1, video.numel() // 8))
-    for a, b in token_ranges(tokens, step):
-        out[:, a:b] = attention.proj_x(video[:, a:b])
-    return out, text_output(attention, attended[:, tokens:], y.shape[1])
+    text = text_output(attention, attended[:, tokens:], y.shape[1])
+    # the video's projection by token chunks into the attention's own rows (proj_x keeps the width)
+    return output_projection_(attention.proj_x, attended[:, :tokens]), text
 
 
 # --- the block --------------------------------------------------------------------------------------------------
