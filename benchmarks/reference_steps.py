@@ -29,6 +29,8 @@ MiB = 2 ** 20
 def build(device, heads: int, double: int, single: int):
     import comfy.model_patcher
     import comfy.supported_models
+    if not hasattr(comfy.supported_models, "Flux2"):
+        raise SystemExit("--references needs a ComfyUI with Flux 2 (comfy.supported_models.Flux2; v0.8.0 and newer)")
     config = {"image_model": "flux2", "in_channels": 128, "out_channels": 128, "vec_in_dim": 768,
               "context_in_dim": 15360, "hidden_size": heads * 128, "mlp_ratio": 3.0, "num_heads": heads,
               "depth": double, "depth_single_blocks": single, "axes_dim": [32, 32, 32, 32], "theta": 2000,

@@ -5,6 +5,8 @@ estimate beside the peak it measured."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 from typing import Optional
 
 import torch
@@ -82,6 +84,18 @@ def compute_dtype(base_model) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2 else None
 
 
+@functools.lru_cache(maxsize=1)
+def comfy_release() -> Optional[tuple]:
+    """The running ComfyUI's release as a tuple of ints (its `comfyui_version.py`), None where it has none: the
+    working sets' stock peaks differ on older releases (`WorkingSet.stock_on`)."""
+    try:
+        import comfyui_version
+    except ImportError:
+        return None
+    numbers = re.findall(r"\d+", str(getattr(comfyui_version, "__version__", "")))[:3]
+    return tuple(int(number) for number in numbers) or None
+
+
 def working_sets(adapter, diffusion_model) -> dict:
     """The `WorkingSet` of each kind of block the model has (every kind the family knows when none is found)."""
     kinds = [kind for kind in adapter.block_kinds(diffusion_model) if kind in adapter.WORKING_SETS]
@@ -123,7 +137,8 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     element_size = torch.empty((), dtype=dtype).element_size()
     x_bytes = batch * tokens * width * element_size
     sets = working_sets(adapter, diffusion_model)
-    kind = max(sets, key=lambda name: sets[name].stock)   # the stock peak's block; the pack's may be another
+    release = comfy_release()
+    kind = max(sets, key=lambda name: sets[name].stock_on(release))   # the stock peak's block; the pack's may differ
     kv_heads = adapter.kv_heads(diffusion_model) or 2
     unsliceable = adapter.splits_projections(diffusion_model)
     # families that leave calls under the split floor to ComfyUI's own forwards hold stock's peak there
@@ -133,8 +148,8 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     for index, name in enumerate(LEVELS):
         split = config._replace(level=index).policy.plan(kv_heads, tokens, unsliceable=unsliceable,
                                                          over_queries=attends_over)
-        factor = max(ws.bounded(split.groups, split.share) if config.block and not stock_runs else ws.stock
-                     for ws in sets.values())
+        factor = max(ws.bounded(split.groups, split.share) if config.block and not stock_runs else
+                     ws.stock_on(release) for ws in sets.values())
         plans.append(LevelPlan(name, split.groups, int(factor * x_bytes), split.reason or ""))
-    return Plan(adapter.FAMILY, kind, tokens, batch, width, x_bytes, int(sets[kind].stock * x_bytes),
+    return Plan(adapter.FAMILY, kind, tokens, batch, width, x_bytes, int(sets[kind].stock_on(release) * x_bytes),
                 tuple(plans), config.block)

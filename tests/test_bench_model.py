@@ -87,6 +87,9 @@ def test_the_reference_benchmark_runs_a_tiny_flux2(capsys):
     """`--references` (benchmarks/reference_steps.py) on a Flux2 of 2 heads, an 8 x 8 latent, one reference:
     every row is there, the cached steps read the cache (the run asserts it) and q8 holds about half of 16-bit."""
     comfy_env.require_comfyui()
+    import comfy.supported_models
+    if not hasattr(comfy.supported_models, "Flux2"):
+        pytest.skip("this ComfyUI has no Flux 2 (the benchmark says so and exits)")
     pack = comfy_env.load_pack()
     steps = importlib.import_module(pack.__name__ + ".benchmarks.reference_steps")
     assert steps.main(["--heads", "2", "--side", "8", "--double", "1", "--single", "1", "--refs", "1",
@@ -109,13 +112,21 @@ def test_the_whole_model_benchmark_runs_every_family_tiny(capsys):
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     models = importlib.import_module(pack.__name__ + ".benchmarks.family_models")
-    assert models.main(["--tiny", "--device", "cpu", "--repeats", "1"]) == 0
+    status = models.main(["--tiny", "--device", "cpu", "--repeats", "1"])
     out = capsys.readouterr().out
+    # the cases' models are v0.33's configurations: a release before v0.8.0 lacks some models (Kandinsky 5) or
+    # their newer settings (Flux's txt_ids_dims), and the benchmark's row says it could not build that case
+    older, built = comfy_env.version_tuple() < (0, 8, 0), 0
+    assert status == 0 or older, out   # 1: a case failed
     for case in ("flux-dev-1024", "qwen-image-1328", "hunyuan-video-720p129", "ltxv-768x512x97", "lumina2-1024",
                  "z-image-1024", "sd35-large-1024", "sd35-medium-1024", "cosmos-p2-2b-1280x704x93",
                  "kandinsky5-lite-768x512x61", "hidream-i1-1024"):
         row = next(line for line in out.splitlines() if line.startswith(f"| {case} |"))
+        if older and any(why in row for why in ("| failed: TypeError: ", "model detection selected NoneType")):
+            continue
+        built += 1
         assert float(row.rstrip(" |").split("|")[-1]) < 2e-2, row   # rel diff, bf16
+    assert built >= 5, out   # v0.3.64: Qwen-Image, LTX, SD3.5 Large and Medium, Cosmos, HiDream
 
 
 def test_the_whole_model_benchmark_takes_a_level_and_a_split_floor(tmp_path):
@@ -138,13 +149,13 @@ def test_the_whole_model_benchmark_takes_a_level_and_a_split_floor(tmp_path):
 
 
 def test_the_families_benchmark_forces_the_split_where_asked():
-    """`--families --split-floor 0` splits a block that the family's own floor keeps whole (a tiny Qwen-Image
+    """`--families --split-floor 0` splits a block that the family's own floor keeps whole (a tiny Flux double
     block: 1,040 tokens), which lowers the pack's peak; either way the pack's output is stock's (float32 on CPU)."""
     import torch
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
-    case = blocks.Case("qwen-tiny", "a tiny Qwen-Image block", blocks.qwen_image_case(32, 16, width=512, heads=4))
+    case = blocks.Case("flux-tiny", "a tiny Flux double block", blocks.flux_case("double", 1024, 16, width=512, heads=4))
     cpu = torch.device("cpu")
     whole = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3)
     split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor=0)
@@ -155,24 +166,24 @@ def test_the_families_benchmark_forces_the_split_where_asked():
 def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
     """`--families --chain N` times N calls back to back in each run (as a model runs its blocks) and reports
     the time per call; the peaks and the outputs are those of one call. Through the command line, on a tiny
-    Qwen-Image block registered as a case."""
+    Flux double block registered as a case (ComfyUI's Flux blocks take the same inputs in every release tested)."""
     import json
     import torch
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
-    case = blocks.Case("qwen-tiny", "a tiny Qwen-Image block", blocks.qwen_image_case(32, 16, width=512, heads=4))
-    blocks.CASES["qwen-tiny"] = case
+    case = blocks.Case("flux-tiny", "a tiny Flux double block", blocks.flux_case("double", 1024, 16, width=512, heads=4))
+    blocks.CASES["flux-tiny"] = case
     calls = []
     original = blocks._run_all
     blocks._run_all = lambda fn, inputs: (calls.append(len(inputs)), original(fn, inputs))
     try:
         out = tmp_path / "rows.json"
-        assert blocks.main(["--cases", "qwen-tiny", "--device", "cpu", "--repeats", "2", "--chain", "3",
+        assert blocks.main(["--cases", "flux-tiny", "--device", "cpu", "--repeats", "2", "--chain", "3",
                             "--split-floor", "0", "--json", str(out)]) == 0
     finally:
         blocks._run_all = original
-        blocks.CASES.pop("qwen-tiny")
+        blocks.CASES.pop("flux-tiny")
     report = json.loads(out.read_text())
     row = report["rows"][0]
     assert report["chain"] == 3
@@ -183,20 +194,20 @@ def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
 
 def test_the_families_benchmark_times_the_fast_paths_on_and_off(tmp_path):
     """`--families --fast-paths-ab`: the pack's forward timed with every fast path on, with none and with one
-    off, in turns (each `--ab-rounds` times), stock's time beside; on a tiny Qwen-Image block split on CPU."""
+    off, in turns (each `--ab-rounds` times), stock's time beside; on a tiny Flux double block split on CPU."""
     import torch  # noqa: F401 - the pack's modules need it imported
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
-    blocks.CASES["qwen-tiny"] = blocks.Case("qwen-tiny", "a tiny Qwen-Image block",
-                                            blocks.qwen_image_case(32, 16, width=512, heads=4))
+    blocks.CASES["flux-tiny"] = blocks.Case("flux-tiny", "a tiny Flux double block",
+                                            blocks.flux_case("double", 1024, 16, width=512, heads=4))
     out = tmp_path / "ab.json"
     try:
-        assert blocks.main(["--cases", "qwen-tiny", "--device", "cpu", "--repeats", "1", "--split-floor", "0",
+        assert blocks.main(["--cases", "flux-tiny", "--device", "cpu", "--repeats", "1", "--split-floor", "0",
                             "--fast-paths-ab", "--fast-paths", "none,-kept_launches", "--ab-rounds", "2",
                             "--json", str(out)]) == 0
     finally:
-        blocks.CASES.pop("qwen-tiny")
+        blocks.CASES.pop("flux-tiny")
     result = json.loads(out.read_text())["fast_paths_ab"][0]
     assert [row["variant"] for row in result["rows"]] == ["all on", "none", "-kept_launches"]
     assert all(row["rounds"] == 2 and row["ms"] > 0 for row in result["rows"]) and result["stock_ms"] > 0

@@ -161,6 +161,33 @@ def test_run_report_estimate_matches_memtracker(sent):
     assert abs(stock - measured["stock"]) <= 0.15 * measured["stock"], (stock, measured["stock"])
 
 
+def test_the_stock_estimate_follows_the_comfyui_release(monkeypatch):
+    """ComfyUI's own block peaks higher on releases before v0.8.0 for some families (v0.3.64 rotated q and k in
+    float32 copies: a Flux double block 17.4 x |x| against 10.1): the planner's stock figure is the one of the
+    running release (`comfy_release`), the newest where the release is unknown."""
+    comfy_env.require_comfyui()
+    import torch
+    pack = comfy_env.load_pack()
+    planner = importlib.import_module(pack.__name__ + ".nodes.planner")
+    node = importlib.import_module(pack.__name__ + ".nodes.patching")
+    flux = importlib.import_module(pack.__name__ + ".nodes.families.flux")
+    double = flux.WORKING_SETS["double"]
+    assert double.stock_on((0, 3, 64)) == 17.36 and double.stock_on((0, 8, 0)) == double.stock_on(None) == 10.06
+    assert flux.WORKING_SETS["single"].stock_on((0, 33, 0)) == 14.06
+    release = planner.comfy_release()
+    assert release is not None and release == tuple(int(p) for p in comfy_env.comfyui_version().split(".")[:3])
+    model, latent_shape = _wan_like_memory_test(torch)
+    wan = importlib.import_module(pack.__name__ + ".nodes.families.wan")
+    config = node.QKVConfig(3, "sdpa", True)
+    flux_sets = {"double": double}
+    monkeypatch.setattr(planner, "working_sets", lambda adapter, model: flux_sets)
+    for version, peak in (((0, 3, 64), 17.36), ((0, 33, 0), 10.06)):
+        monkeypatch.setattr(planner, "comfy_release", lambda version=version: version)
+        plan = planner.plan(wan, model.model.diffusion_model, latent_shape, config, dtype=torch.bfloat16)
+        assert plan.stock_bytes == int(peak * plan.x_bytes), (version, plan.stock_bytes / plan.x_bytes)
+        assert plan.levels[0].bytes < plan.stock_bytes   # Off: the pack's bounded block, not stock's
+
+
 def test_stock_estimate_swaps_the_working_sets():
     """The stock peak the report gives: the measured peak less the pack's estimated working set plus stock's."""
     comfy_env.require_comfyui()

@@ -287,7 +287,7 @@ BLOCK_PARTS = ("attn1", "attn2", "ff")
 # Every attention of the blocks (LTX-Video's and LTX-2's) patched; LTX-Video's blocks bounded, LTX-2's audio-video
 # blocks keep ComfyUI's forward (said in the report).
 SPEC = Family(FAMILY, "ltx", (BlockList("transformer_blocks"),), latent_ranks=(5,), patch_size="patchifier.patch_size",
-              patch_default=(1, 1, 1), kv_heads_at="model.num_attention_heads",
+              patch_default=(1, 1, 1), kv_heads_at="block.attn1.heads",
               projections=("attn1", ("to_q", "to_k", "to_v"), "attn1."), attentions=ATTENTION_NAMES,
               attention_cls=ltx_model.CrossAttention,
               bounded=lambda block: type(block) is ltx_model.BasicTransformerBlock,

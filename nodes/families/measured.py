@@ -7,6 +7,7 @@ Adding a family: its row here, keyed by its module's name under `nodes/families/
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 BENCHMARKS = "docs/benchmarks.md"
 
@@ -43,6 +44,17 @@ class WorkingSet:
     bounded_whole: float
     measured: str
     per_group: float = PER_GROUP
+    # Older ComfyUI releases whose own block peaks elsewhere: ((the first release measured at `stock`, the peak
+    # before it), ...), oldest first (v0.3.64 rotated q and k in float32 copies: Flux's blocks held 17-19 x |x|)
+    stock_before: tuple = ()
+
+    def stock_on(self, release: Optional[tuple] = None) -> float:
+        """ComfyUI's own block's peak on ComfyUI `release` (a tuple of ints, `comfy_release()`; None: the
+        newest)."""
+        for first, peak in self.stock_before:
+            if release is not None and tuple(release) < tuple(first):
+                return peak
+        return self.stock
 
     def bounded(self, groups: int, share: float = 1.0) -> float:
         """The pack's block in `groups` head groups, each holding `share` of a plain SDPA group's transients
@@ -98,9 +110,17 @@ def whole_model(split: float, unsplit: float, found: str) -> MemoryFactors:
     return MemoryFactors(split=split, unsplit=unsplit, measured=WHOLE_MODEL + found)
 
 
-def cpu_block(stock: float, bounded_whole: float, where: str, setup: str = CPU_BLOCK) -> WorkingSet:
-    """A working set measured on the CPU (`CPU_BLOCK`), held by the test `where` names."""
-    return WorkingSet(stock=stock, bounded_whole=bounded_whole, measured=f"{setup}; {where}")
+def cpu_block(stock: float, bounded_whole: float, where: str, setup: str = CPU_BLOCK,
+              stock_before: tuple = ()) -> WorkingSet:
+    """A working set measured on the CPU (`CPU_BLOCK`), held by the test `where` names; `stock_before`, ComfyUI's
+    own block's peak on older releases (`WorkingSet.stock_before`)."""
+    return WorkingSet(stock=stock, bounded_whole=bounded_whole, measured=f"{setup}; {where}",
+                      stock_before=stock_before)
+
+
+# The releases the working sets were measured on: ComfyUI v0.33.0 and v0.8.0 for `stock`; v0.3.64 for the peaks of
+# `stock_before`, taken for every release before v0.8.0 (none between was measured)
+V0_8 = (0, 8, 0)
 
 
 TABLE = {
@@ -125,8 +145,8 @@ TABLE = {
     "flux": Measured(
         whole_model(0.8, 0.85, "Flux-dev 2048^2 0.74 and HunyuanVideo 720p x 129 0.56 split, Flux-dev 1024^2 0.78 "
                                "unsplit"),
-        {"double": cpu_block(10.06, 2.11, "tests/test_flux_blocks.py"),
-         "single": cpu_block(14.06, 2.04, "tests/test_flux_blocks.py")},
+        {"double": cpu_block(10.06, 2.11, "tests/test_flux_blocks.py", stock_before=((V0_8, 17.36),)),
+         "single": cpu_block(14.06, 2.04, "tests/test_flux_blocks.py", stock_before=((V0_8, 19.0),))},
         split_floor_scale=1.5),
     # Split only from 2x the runtime's floor (16,384 tokens an item): a split Lumina 2 is bound by the host's
     # launches below it (whole model on an H200, cond + uncond: 1536^2 (9,472 tokens) 311 ms stock, 596 split;
@@ -134,7 +154,7 @@ TABLE = {
     "lumina": Measured(
         whole_model(0.7, 1.0, "Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: "
                               "ComfyUI's own blocks run"),
-        {"lumina2": cpu_block(18.0, 1.95, "tests/test_lumina_memory.py"),
+        {"lumina2": cpu_block(18.0, 1.95, "tests/test_lumina_memory.py", stock_before=((V0_8, 66.0),)),
          "zimage": cpu_block(14.0, 2.04, "tests/test_lumina_memory.py")},
         split_floor_scale=2, short_runs_stock=True),
     # Split only from 1.5x the runtime's floor (12,288 tokens an item), as Flux: a Qwen-Image-Edit call of a 1 MP
@@ -143,7 +163,7 @@ TABLE = {
     "qwen_image": Measured(
         whole_model(0.8, 0.8, "Qwen-Image 1328^2 0.76 unsplit; the split runs take the unsplit factor (no split run "
                               "measured)"),
-        {"block": cpu_block(10.15, 2.11, "tests/test_qwen_image_memory.py")},
+        {"block": cpu_block(10.15, 2.11, "tests/test_qwen_image_memory.py", stock_before=((V0_8, 14.08),))},
         split_floor_scale=1.5),
     # The runtime's own floor: a whole Kandinsky 5 Video Lite split at 10,752 tokens an item ran 0.95x stock's time.
     "kandinsky5": Measured(
@@ -216,4 +236,4 @@ def constants(module: str) -> tuple:
     return TABLE[module].constants()
 
 
-__all__ = ["MemoryFactors", "WorkingSet", "PER_GROUP", "Measured", "TABLE", "constants", "BENCHMARKS"]
+__all__ = ["MemoryFactors", "WorkingSet", "PER_GROUP", "Measured", "TABLE", "constants", "BENCHMARKS", "V0_8"]
