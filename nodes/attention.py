@@ -18,9 +18,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention
+from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, ulysses_qkv_attention
+from ..qkv_core.notices import notice_once
 from .comfy_ops import ComfyLinearRows
-from .dispatch import attention_kwargs
+from .dispatch import AUTO, COMFY, attention_kwargs
 from .norm_rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, PER_HEAD_ROPE_KINDS, ROPE_COS_SIN,
                         ROPE_COS_SIN_HALVES, ROPE_COS_SIN_PAIRS, ROPE_KINDS, ROPE_PAIRS, ROPE_SPLIT_HALF,
                         PerHeadNormRope, SpanningNormRope, rope_cos_sin_halves_rows, rope_cos_sin_rows, rope_rows,
@@ -187,6 +188,30 @@ def attend(module, form: AttentionForm, x_lists: Sequence[list], heads: int, hea
     return joint_qkv_attention(streams, heads, head_dim, norm_rope, **options)
 
 
+def attend_sequence_parallel(module, form: AttentionForm, x_list: list, heads: int, head_dim: int, config,
+                             freqs: Optional[torch.Tensor], group) -> torch.Tensor:
+    """The self-attention `form` describes (one stream, q/k/v of every head, a norm spanning heads or none, pair
+    RoPE) of a rank's shard of the tokens `[x]` (cleared) `(B, n, C)`, sequence-parallel over `group` (another
+    pack's Ulysses group: `sequence_parallel.ulysses_group`): `qkv_core.ulysses_qkv_attention`, its heads
+    exchanged one group at a time in the split `config.policy` gives the whole sequence. `freqs`: this rank's rows
+    of the RoPE table. Returns `(B, n, heads, head_dim)`. The pack's own backends attend each group (ComfyUI's
+    dispatcher takes no exchanged group: `comfy` attends as `auto` here, said once)."""
+    if len(form.streams) != 1 or form.norm == NORM_PER_HEAD:
+        raise ValueError("the sequence-parallel self-attention takes one stream with a norm over all heads or none")
+    stream = form.streams[0]
+    q, k, v = stream.projections(module, heads * head_dim, heads * head_dim)
+    norm_rope = SpanningNormRope([(0, None, attribute(module, stream.norm_q), attribute(module, stream.norm_k))],
+                                 heads, head_dim, freqs if form.rope is not None else None, rope=form.rope)
+    options = config.policy.call_options()
+    if config.backend == COMFY:
+        notice_once("sequence-parallel:comfy", "[QKV] attention_backend=comfy: the sequence-parallel exchange "
+                                               "attends each head group with the pack's own backends (as auto)")
+    elif config.backend != AUTO:
+        options["force_attention"] = config.backend
+    return ulysses_qkv_attention(x_list, q, k, v, heads, head_dim, norm_rope, group=group,
+                                 norm_spans_heads=norm_rope.spans_heads, **options)
+
+
 def _spanning(form, ranges, heads, head_dim, freqs, key_freqs, options: dict, keep_keys) -> SpanningNormRope:
     """The form's spanning norm (no norm: its RoPE alone) and RoPE; the runtime's statistics pass is asked for
     in `options` when a norm spans heads."""
@@ -226,4 +251,4 @@ def _cross_attend(module, form, x_list, context_list, heads, head_dim, config, t
 __all__ = ["is_rms_norm", "NORM_PER_HEAD", "NORM_SPANS_HEADS", "ROPE_PAIRS", "ROPE_SPLIT_HALF", "ROPE_COS_SIN",
            "ROPE_COS_SIN_HALVES", "ROPE_COS_SIN_PAIRS", "ROPE_KINDS", "StreamProjections", "AttentionForm", "attend",
            "rope_rows", "rope_split_half_rows", "rope_cos_sin_rows", "rope_cos_sin_halves_rows", "rotate_rows",
-           "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute"]
+           "PerHeadNormRope", "SpanningNormRope", "token_freqs", "attribute", "attend_sequence_parallel"]

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import compat
+from . import compat, sequence_parallel
 from .comfy_ops import (CastLinear, chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps,
                         run_every_op, token_ranges)
 
@@ -231,11 +231,20 @@ def output_projection_(linear, attention: torch.Tensor, cast: Optional[CastLinea
     return out
 
 
-def foreign_part(block) -> Optional[str]:
+def foreign_part(block, parallel: Optional[dict] = None) -> Optional[str]:
     """Another node's forward or module hook on a part of `block` the pack's bounded block computes itself
     (then ComfyUI's block runs, calling it), else None. Asked at every guarded call: read from the walk that
-    also makes the call's layer signature (`compat.module_tree`)."""
-    return compat.module_tree(block).foreign
+    also makes the call's layer signature (`compat.module_tree`). `parallel`: {part: role} of the block's own
+    parts whose sequence-parallel forward of that role (`sequence_parallel.recognised`: raylight's) the bounded
+    block runs itself; any other bound forward is foreign."""
+    tree = compat.module_tree(block)
+    if tree.foreign is None or not parallel:
+        return tree.foreign
+    for part, module in tree.bound:
+        known = sequence_parallel.recognised(module)
+        if module is not getattr(block, part, None) or known is None or parallel.get(part) != known.role:
+            return f"another node patched its {part}"
+    return tree.hooked
 
 
 __all__ = ["ChunkedMLP", "GatedMLP", "mlp_residual_", "modulated_layer_norm_args", "run_modulated_layer_norm",

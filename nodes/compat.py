@@ -205,12 +205,14 @@ def known_verdict(signature) -> tuple[bool, Optional[str]]:
 
 def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None,
                quantized: bool = False, routed: bool = False,
-               run_reference: Optional[Callable] = None) -> Optional[str]:
+               run_reference: Optional[Callable] = None,
+               agree: Optional[Callable[[Optional[str]], Optional[str]]] = None) -> Optional[str]:
     """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` computes what
     `run_stock()` does (see `compare`, against `run_reference()` where given and it runs), else the reason.
     `functions`: the stock forward functions the verdict is about (their overall record feeds `all_checked`).
     `quantized`: the module has layers that quantize their input; `routed`: it routes tokens to experts (see
-    `compare`)."""
+    `compare`). `agree(reason)`: the verdict of every process that runs this call together (the ranks of a
+    sequence-parallel group: `sequence_parallel.agreement`), so that all take the same forward."""
     if signature in _verdicts:
         return _verdicts[signature]
     try:
@@ -222,6 +224,8 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
             reason = compare(stock, ours, base, quantized, routed, reference=reference)
     except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, never a crash
         reason = f"the check raised {type(error).__name__}: {error}"
+    if agree is not None:
+        reason = agree(reason)
     _verdicts[signature] = reason
     for fn in functions:
         _function_verdicts[fn] = _function_verdicts.get(fn, True) and reason is None
@@ -359,7 +363,7 @@ def fresh_inputs(inputs: dict) -> dict:
 def guard_module(what: str, module, names, ours_factory, config, *, functions: Callable, signature: Callable,
                  check_inputs: Callable, residual: Optional[str] = None, quantized: Optional[Callable] = None,
                  refuse_more: Optional[Callable] = None, refuse_call: Optional[Callable] = None,
-                 routed: bool = False) -> Callable:
+                 routed: bool = False, agree: Optional[Callable] = None) -> Callable:
     """`guarded` for one module of a family: ours = `ours_factory(module, config)`, self-checked once per
     kind of call against the module's own forward on `check_inputs(bound)` (the call's first tokens), with
     the head split forced (`config._replace(split_floor=0)`).
@@ -371,9 +375,11 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
     `refuse_more(module)`: a reason to run stock for a module state the check cannot see; `refuse_call(bound)`:
     one for a call's arguments (e.g. another node's hook the pack's forward cannot run between its groups);
-    `routed`: the module routes tokens to experts (see `compare`). A call whose sequences are all under the split
-    floor runs ComfyUI's own forward where `config.policy.runs_stock` says so (families whose bounded forwards are
-    slower than ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time, for ~0.5 GiB)."""
+    `routed`: the module routes tokens to experts (see `compare`); `agree(bound)`: None, or how the verdict of a
+    call run by several processes together is made theirs (`self_check`'s `agree`). A call whose sequences are
+    all under the split floor runs ComfyUI's own forward where `config.policy.runs_stock` says so (families whose
+    bounded forwards are slower than ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time,
+    for ~0.5 GiB)."""
     stock = stock_forward(module)
     ours = ours_factory(module, config)
     checked = ours_factory(module, config._replace(split_floor=0))
@@ -408,7 +414,8 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
         return self_check(call_signature, functions(), lambda: stock(**fresh_inputs(inputs)),
                           lambda: checked(**fresh_inputs(inputs)), base=base,
                           quantized=bool(quantized and quantized()), routed=routed,
-                          run_reference=lambda: exact_reference(module, stock, inputs))
+                          run_reference=lambda: exact_reference(module, stock, inputs),
+                          agree=agree(bound) if agree is not None else None)
 
     return guarded(what, stock, ours, refuse, check)
 

@@ -40,10 +40,15 @@ def foreign_forward(module) -> bool:
 class ModuleTree(NamedTuple):
     """What the guard reads of a module's tree at every call, from one walk (`module_tree`): `layers`, the
     layer classes and weight dtypes (`layers_signature`), and `foreign`, why a part below the module carries
-    another node's forward or module hook (`block_parts.foreign_part`), or None."""
+    another node's forward or module hook (`block_parts.foreign_part`), or None; `bound`, (part, module) of every
+    module below whose forward another node bound (the part: the block's child it is in), and `hooked`, why a part
+    carries another node's module hook, or None (a block that runs some bound forwards itself asks them:
+    `block_parts.foreign_part`)."""
 
     layers: tuple
     foreign: Optional[str]
+    bound: tuple = ()
+    hooked: Optional[str] = None
 
 
 def module_tree(module) -> ModuleTree:
@@ -55,7 +60,7 @@ def module_tree(module) -> ModuleTree:
         tree = walked.get(id(module))
         if tree is not None:
             return tree
-    layers, foreign, seen, stack = [], None, set(), [("", module, None)]
+    layers, foreign, bound, hooked, seen, stack = [], None, [], None, set(), [("", module, None)]
     while stack:
         name, child, part = stack.pop()
         key = id(child)
@@ -63,11 +68,13 @@ def module_tree(module) -> ModuleTree:
             continue
         seen.add(key)
         own = child.__dict__
-        if part is not None and foreign is None:
+        if part is not None:
             if own.get("forward") is not None and foreign_forward(child):
-                foreign = f"another node patched its {part}"
-            elif own.get("_forward_hooks") or own.get("_forward_pre_hooks"):
-                foreign = f"another node hooks its {part}"
+                bound.append((part, child))
+                foreign = foreign or f"another node patched its {part}"
+            elif (own.get("_forward_hooks") or own.get("_forward_pre_hooks")) and hooked is None:
+                hooked = f"another node hooks its {part}"
+                foreign = foreign or hooked
         weight = _weight_of(child, own)
         if weight is not _NO_WEIGHT:
             layers.append((name, type(child).__qualname__, _dtype_name(getattr(weight, "dtype", None))))
@@ -77,7 +84,7 @@ def module_tree(module) -> ModuleTree:
             for sub_name, sub in reversed(below.items()):
                 if sub is not None:
                     stack.append((prefix + sub_name, sub, sub_name if part is None else part))
-    tree = ModuleTree(tuple(layers), foreign)
+    tree = ModuleTree(tuple(layers), foreign, tuple(bound), hooked)
     if walked is not None:
         walked[id(module)] = tree
     return tree

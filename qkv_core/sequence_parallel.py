@@ -74,13 +74,14 @@ def valid_group_counts(heads: int, world: int) -> list[int]:
 
 
 def exchange_group_count(heads: int, world: int, tokens: int, level=None, floor: Optional[int] = None,
-                         split_heads: Optional[bool] = None, unsliceable: Optional[str] = None) -> int:
+                         split_heads: Optional[bool] = None, unsliceable: Optional[str] = None,
+                         group_scale: Optional[float] = None) -> int:
     """How many head groups the exchange of `tokens` tokens of one item (the whole sequence, all ranks) runs in:
-    the call's `head_split.SplitPolicy` (`level`, `floor`; None: the defaults) for `heads / world` exchange units
-    (each group's heads a multiple of the world size), so the level's target count is met as closely as the head
-    count allows."""
-    return SplitPolicy.of_call(level, floor).plan(heads // world, tokens, split_heads=split_heads,
-                                                  unsliceable=unsliceable).groups
+    the call's `head_split.SplitPolicy` (`level`, `floor`, `group_scale`; None: the defaults) for `heads / world`
+    exchange units (each group's heads a multiple of the world size), so the level's target count is met as
+    closely as the head count allows."""
+    return SplitPolicy.of_call(level, floor, group_scale).plan(heads // world, tokens, split_heads=split_heads,
+                                                               unsliceable=unsliceable).groups
 
 
 def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, groups: Optional[int],
@@ -141,8 +142,8 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
                           norm_spans_heads: bool = False, kv_heads: Optional[int] = None,
                           head_split_level=None, groups: Optional[int] = None,
                           split_floor_tokens: Optional[int] = None, split_heads: Optional[bool] = None,
-                          force_attention: Optional[str] = None, softmax_scale: Optional[float] = None
-                          ) -> torch.Tensor:
+                          head_split_group_scale: Optional[float] = None, force_attention: Optional[str] = None,
+                          softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Self-attention of a rank's shard of the tokens, sequence-parallel over `group` (Ulysses), by head groups.
 
     Parameters
@@ -175,7 +176,7 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
         `(batch, n, 1)`, is computed before any exchange (exact: a rank has all heads of its tokens).
     kv_heads : int, optional
         Must equal `heads` (grouped-query attention is not exchanged here).
-    head_split_level, split_floor_tokens, split_heads : optional
+    head_split_level, split_floor_tokens, split_heads, head_split_group_scale : optional
         As for `qkv_attention`; the count comes from the call's `head_split.SplitPolicy` for `heads / world`
         exchange units and the whole sequence (`world * n` tokens an item), so each group's heads split evenly over the ranks.
     groups : int, optional
@@ -216,7 +217,7 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     if groups is None:
         unsliceable = next((r for p in source.proj.values() for r in [p.not_row_sliceable()] if r is not None), None)
         groups = exchange_group_count(heads, world, total, head_split_level, split_floor_tokens, split_heads,
-                                      unsliceable)
+                                      unsliceable, head_split_group_scale)
     plan = head_groups(heads, heads, groups)
     count_split(groups, batch * total)
     exchange = _Exchange(pg, world)

@@ -328,7 +328,7 @@ class Family:
               extra: Optional[Callable] = None, check_inputs: Optional[Callable] = None, cut: Optional[Callable] = None,
               functions: Optional[Callable] = None, residual=None, hooks_inside: Sequence[str] = (),
               refuse_call: Optional[Callable] = None, refuse_more: Optional[Callable] = None,
-              routed: bool = False) -> Callable:
+              routed: bool = False, agree: Optional[Callable] = None) -> Callable:
         """The guarded forward installed on `module` (`compat.guard_module`), what every family shares filled in:
 
         - the pack's forward: `run(module, config, **bound)`, the call's arguments bound by the names of the
@@ -344,7 +344,7 @@ class Family:
         - whether its layers quantize their inputs (a looser tolerance);
         - the family's `short_runs_stock` and `group_scale` in `config`'s split policy (what the patch loop's
           `family_config` sets: a forward made for a plain config splits as the patched model's).
-        `residual`, `refuse_more`, `routed`: as `compat.guard_module` takes them."""
+        `residual`, `refuse_more`, `routed`, `agree`: as `compat.guard_module` takes them."""
         names = tuple(names)
         row = TABLE[self.module]
         if (config.short_runs_stock, config.group_scale) != (row.short_runs_stock, row.group_scale):
@@ -372,7 +372,7 @@ class Family:
             check_inputs=check_inputs or first_tokens(x, cut), residual=residual,
             quantized=lambda: quantizes_inputs(module),
             refuse_call=refuse if hooks_inside or refuse_call is not None else None, refuse_more=refuse_more,
-            routed=routed)
+            routed=routed, agree=agree)
 
 
 def probe_heads(module, heads: str, head_dim: str, stream=None, norms: Sequence[str] = (),

@@ -20,9 +20,9 @@ import comfy.ldm.wan.model as wan_model
 import comfy.model_management
 
 from ...qkv_core import WholeProjection, cross_qkv_attention, kernels
-from .. import compat
+from .. import compat, sequence_parallel
 from ..attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNormRope, StreamProjections, attend,
-                        is_rms_norm)
+                        attend_sequence_parallel, is_rms_norm)
 from ..block_parts import foreign_part, mlp_residual_, modulated_layer_norm, output_projection_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, token_ranges
 from ..dispatch import attend_group, attention_kwargs
@@ -295,9 +295,13 @@ def self_attention_phase(block, x, mod, freqs, config, transformer_options, step
             torch.addcmul(mod(0, a, b), block.norm1(x[:, a:b]), 1 + mod(1, a, b), out=modulated[:, a:b])
     handed_off = [modulated]
     del modulated   # the runtime holds the only reference: a projection that no longer needs it frees it
-    # (with SageAttention 2 staged, the runtime may keep the keys and the result in its storage instead)
-    attention = self_attention(block.self_attn, handed_off, freqs, config, transformer_options, BLOCK_KEPT_KEYS,
-                               reuse_input=True)
+    group = sequence_parallel.ulysses_group(block.self_attn)
+    if group is not None:   # raylight's Ulysses: this rank's tokens, the heads exchanged one group at a time
+        attention = attend_sequence_parallel(block.self_attn, SELF_ATTENTION, handed_off, block.self_attn.num_heads,
+                                             block.self_attn.head_dim, config, freqs, group)
+    else:   # (with SageAttention 2 staged, the runtime may keep the keys and the result in its storage instead)
+        attention = self_attention(block.self_attn, handed_off, freqs, config, transformer_options,
+                                   BLOCK_KEPT_KEYS, reuse_input=True)
     handed_off = [attention.flatten(2)]
     del attention
     y = linear_handed_off(block.self_attn.o, handed_off, x)
@@ -411,17 +415,51 @@ def cross_attention_forward(module, config):
                       x="x", extra=_extra, check_inputs=_check_inputs)
 
 
+# The block's parts whose sequence-parallel forward (raylight's Ulysses, `nodes/sequence_parallel.py`) the bounded
+# block runs itself: its self-attention through the grouped exchange over that forward's group, its cross-attention
+# on the rank's own tokens (every rank holds the whole context: the same numbers without an exchange)
+PARALLEL_PARTS = {"self_attn": sequence_parallel.SELF_ATTENTION, "cross_attn": sequence_parallel.CROSS_ATTENTION}
+
+
+def _parallel_refusal(block) -> Optional[str]:
+    """Why the bounded block cannot run: another node's forward or hook on a part it computes (raylight's Ulysses
+    forwards are its own to run), or a sequence-parallel group the grouped exchange does not take (xFuser's ring
+    attention), else None."""
+    reason = foreign_part(block, PARALLEL_PARTS)
+    if reason is not None:
+        return reason
+    group = sequence_parallel.ulysses_group(block.self_attn)
+    return None if group is None else sequence_parallel.refusal(group)
+
+
+def _parallel_signature(block) -> tuple:
+    """The block's sequence-parallel world (0 without one): a sharded call is checked on its own."""
+    group = sequence_parallel.ulysses_group(block.self_attn)
+    return (0 if group is None else sequence_parallel.world_of(group),)
+
+
+def _parallel_agreement(block):
+    """`agree(bound)` for the block's guard: a sequence-parallel block's self-check verdict is its group's."""
+    def agree(bound):
+        group = sequence_parallel.ulysses_group(block.self_attn)
+        return None if group is None else sequence_parallel.agreement(group)
+    return agree
+
+
 def bounded_block_forward(block, config):
     """The guarded bounded `WanAttentionBlock.forward`: every transient bounded (see `run_block`); a part another
-    node patched or hooks keeps the block ComfyUI's (`block_parts.foreign_part`)."""
-    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="x", extra=_extra,
-                      check_inputs=_check_inputs, residual="x", refuse_more=foreign_part)
+    node patched or hooks keeps the block ComfyUI's (`block_parts.foreign_part`), but for raylight's Ulysses
+    forwards, which it runs itself (`PARALLEL_PARTS`)."""
+    return SPEC.guard("block", "block", block, BLOCK_ARGS, run_block, config, x="x",
+                      extra=lambda bound: _extra(bound) + _parallel_signature(block), check_inputs=_check_inputs,
+                      residual="x", refuse_more=_parallel_refusal, agree=_parallel_agreement(block))
 
 
 def bounded_vace_block_forward(block, config):
     """The guarded `VaceWanAttentionBlock.forward` around the bounded block."""
     return SPEC.guard("vace_block", "VACE block", block, VACE_BLOCK_ARGS, run_vace_block, config, x="c",
-                      extra=_extra, check_inputs=_check_inputs, residual="c", refuse_more=foreign_part)
+                      extra=lambda bound: _extra(bound) + _parallel_signature(block), check_inputs=_check_inputs,
+                      residual="c", refuse_more=_parallel_refusal, agree=_parallel_agreement(block))
 
 
 # --- patching and the adapter contract --------------------------------------------------------------------

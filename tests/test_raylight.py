@@ -1,0 +1,353 @@
+"""The pack inside raylight's sequence-parallel run (nodes/sequence_parallel.py, docs/design.md §3.7), on CPU:
+2 and 4 processes on gloo (torch.multiprocessing spawn, a file rendezvous), ComfyUI's own Wan blocks.
+
+raylight binds its Ulysses forwards to every Wan block's `self_attn` and `cross_attn` when it loads a model
+(after ComfyUI's object patches: the pack's block patch stays) and shards the tokens over its group. Here each rank
+holds its shard of the tokens of a tiny Wan 2.1 block's input (captured from the whole model's own call), and the
+block's attention modules carry a stand-in of raylight's forwards written from its algorithm (q, k, v of every
+head exchanged by one all-to-all each, as xFuser's Ulysses does: `_usp_self_attention`) and registered with
+`sequence_parallel.register_ulysses_forward`, as raylight's own are recognised by their module. Checked, float32:
+- the stand-in itself equals the single-process block (within 1e-5): it computes what raylight does;
+- the pack's bounded block over it equals the single-process block within 1e-5, its self-check passes on every
+  rank, the head groups were exchanged one at a time (the run's tally), nothing ran stock;
+- its peak per rank (MemTracker, above the live inputs and weights, x its local |x|) is under the stand-in's;
+- a self-check that fails on one rank runs ComfyUI's block on every rank (no rank waits on an exchange the
+  other does not make); a group with a ring degree and an unknown forward keep ComfyUI's block.
+
+raylight's own code (`test_through_raylights_own_wan_path`): where a raylight checkout (RAYLIGHT_PATH, else
+~/raylight) and xFuser (`pip install xfuser==0.4.5 yunchang`: raylight's bootstrap loads its distributed modules
+on a CPU) are there, the whole tiny Wan through raylight's `USPInjectRegistry` and `usp_dit_forward`, with and
+without the pack; skipped elsewhere, with the reason.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import comfy_env
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.sequence_parallel]
+
+DIM, HEADS, FRAMES, SIDE = 256, 8, 2, 16      # head dim 32; 2 x 8 x 8 = 128 tokens (a multiple of 2 and 4)
+TOLERANCE = 1e-5
+
+
+def _err(got, want) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+# --- a stand-in of raylight's Wan forwards (written from its algorithm, not its code) ----------------------------
+_GROUP: list = []   # this process's sequence-parallel group (a rank's)
+
+
+def _ulysses_sdpa(q, k, v):
+    """Ulysses' single exchange over the stand-in's group: q, k, v `(B, n, H, D)` of the rank's tokens, each sent
+    by one all-to-all (rank p gets heads [p H/P, (p+1) H/P) of every token), SDPA, and the result sent back."""
+    import torch
+    import torch.distributed as dist
+    group = _GROUP[0]
+    world = dist.get_world_size(group)
+    b, n, h, d = q.shape
+
+    def exchange(t):   # (B, n, H, D) -> (B, P n, H / P, D)
+        send = t.reshape(b, n, world, h // world, d).permute(2, 1, 0, 3, 4).contiguous()
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        return received.reshape(world * n, b, h // world, d).transpose(0, 1)
+
+    out = torch.nn.functional.scaled_dot_product_attention(*(exchange(t).transpose(1, 2) for t in (q, k, v)))
+    out = out.transpose(1, 2).reshape(b, world, n, h // world, d).permute(1, 2, 0, 3, 4).contiguous()
+    back = torch.empty_like(out)
+    dist.all_to_all_single(back, out, group=group)   # (P, n, B, H / P, D): rank p's heads of this rank's tokens
+    return back.permute(2, 1, 0, 3, 4).reshape(b, n, h, d)
+
+
+def _usp_self_attention(self, x, freqs, transformer_options={}, **kwargs):
+    """raylight's `usp_self_attn_forward`: norm and RoPE of every head on the rank's tokens, one exchange."""
+    from comfy.ldm.wan.model import apply_rope1
+    b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
+    q = apply_rope1(self.norm_q(self.q(x)).view(b, s, n, d), freqs)
+    k = apply_rope1(self.norm_k(self.k(x)).view(b, s, n, d), freqs)
+    return self.o(_ulysses_sdpa(q, k, self.v(x).view(b, s, n, d)).flatten(2))
+
+
+def _usp_cross_attention(self, x, context, transformer_options={}, **kwargs):
+    """raylight's `usp_t2v_cross_attn_forward`: the rank's queries over the whole context (its exchange sends
+    the context every rank holds: the same numbers)."""
+    import torch
+    b, n, d = x.shape[0], self.num_heads, self.head_dim
+    q = self.norm_q(self.q(x)).view(b, -1, n, d).transpose(1, 2)
+    k = self.norm_k(self.k(context)).view(b, -1, n, d).transpose(1, 2)
+    v = self.v(context).view(b, -1, n, d).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    return self.o(out.flatten(2))
+
+
+def _unknown_forward(self, x, freqs, transformer_options={}, **kwargs):
+    """Another node's self-attention forward the pack does not know (ComfyUI's own, bound)."""
+    return type(self).forward(self, x, freqs, transformer_options=transformer_options)
+
+
+# --- one rank -------------------------------------------------------------------------------------------------
+def _block_inputs(torch, patcher):
+    """The first block's own call arguments in the tiny model's forward (x, e, freqs, context, ...)."""
+    seen = {}
+    block = patcher.model.diffusion_model.blocks[0]
+
+    def capture(module, args, kwargs):
+        seen.update(kwargs, x=args[0] if args else kwargs["x"])
+        raise StopIteration
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            patcher.model.diffusion_model(**comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE))
+    except StopIteration:
+        pass
+    finally:
+        handle.remove()
+    seen.pop("transformer_options", None)
+    return seen
+
+
+def _bind(block, self_forward, cross_forward=_usp_cross_attention) -> None:
+    """What raylight's USP patch does to a block at load time: its forwards bound to the attention modules."""
+    import types
+    block.self_attn.forward = types.MethodType(self_forward, block.self_attn)
+    block.cross_attn.forward = types.MethodType(cross_forward, block.cross_attn)
+
+
+def _unbind(block) -> None:
+    for module in (block.self_attn, block.cross_attn):
+        module.__dict__.pop("forward", None)
+
+
+def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = _rank_checks(torch, dist, rank, world)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_checks(torch, dist, rank: int, world: int) -> dict:
+    import importlib
+    env = comfy_env.pack_modules()
+    sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
+    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
+    env.core.head_split.SPLIT_FLOOR_TOKENS = 16   # the tiny block's 128 tokens split as real lengths do
+    patcher = comfy_env.make_wan("t2v", dim=DIM, heads=HEADS, layers=1, text_dim=32)
+    inputs = _block_inputs(torch, patcher)
+    block = patcher.model.diffusion_model.blocks[0]
+    n = inputs["x"].shape[1] // world
+    local = slice(rank * n, (rank + 1) * n)
+
+    def shard(name, value):
+        if name == "x":
+            return value[:, local].clone()
+        if name == "freqs":
+            return value[:, local]
+        return value
+    sharded = {name: shard(name, value) for name, value in inputs.items()}
+    with torch.no_grad():
+        want = block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})[:, local]
+    patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+    patched.patch_model(load_weights=False)   # the pack's object patches, then raylight's binding, as at a load
+    _GROUP.append(dist.new_group(list(range(world))))   # the stand-in's sequence-parallel group
+    sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[0])
+    sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
+    out = {"errors": {}, "notices": {}}
+
+    def call(label):
+        env.core.drain_tally()
+        env.core.reset_notices()
+        with torch.no_grad():
+            got = block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+        out["errors"][label] = _err(got, want)
+        out["notices"][label] = env.core.drain_notices()
+        return env.core.drain_tally()
+
+    try:
+        _bind(block, _usp_self_attention)
+        with torch.no_grad():   # the stand-in alone: ComfyUI's block, raylight's forwards
+            stock = type(block).forward(block, **{k: v.clone() if torch.is_tensor(v) else v
+                                                  for k, v in sharded.items()})
+        out["errors"]["stand-in vs single process"] = _err(stock, want)
+        call("pack, first call (self-check)")
+        tally = call("pack")
+        out["splits"] = {str(k): v for k, v in tally.splits.items()}
+        x_bytes = sharded["x"].numel() * sharded["x"].element_size()
+        for name, fn in (("peak_pack", block), ("peak_stand_in", lambda **kw: type(block).forward(block, **kw))):
+            fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+            with torch.no_grad():
+                out[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / x_bytes
+        # a check that fails on the last rank only: every rank runs ComfyUI's block (raylight's forwards)
+        env.compat.forget_verdicts()
+        compare = env.compat.compare
+        if rank == world - 1:
+            env.compat.compare = lambda *a, **k: "a difference planted on this rank"
+        try:
+            call("one rank's check fails")
+        finally:
+            env.compat.compare = compare
+        # raylight's ring attention (a ring degree): ComfyUI's block, said why
+        env.compat.forget_verdicts()
+        sp.unregister_ulysses_forward(_usp_self_attention)
+        from types import SimpleNamespace
+        sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION,
+                                    group=lambda: SimpleNamespace(ring_world_size=2, ulysses_group=None))
+        call("ring degree")
+        # a forward the pack does not know: ComfyUI's block
+        _unbind(block)
+        _bind(block, _unknown_forward, _usp_cross_attention)
+        env.compat.forget_verdicts()
+        with torch.no_grad():
+            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+        out["notices"]["unknown forward"] = env.core.drain_notices()
+    finally:
+        sp.unregister_ulysses_forward(_usp_self_attention)
+        sp.unregister_ulysses_forward(_usp_cross_attention)
+        _unbind(block)
+        patched.unpatch_model(unpatch_weights=False)
+    return out
+
+
+def _spawn(target, world: int, *args) -> list:
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(target, args=(world, os.path.join(tmp, "rendezvous"), tmp) + args, nprocs=world, join=True)
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
+                results.append(json.load(f))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_bounded_block_over_raylights_ulysses(world):
+    comfy_env.require_comfyui()
+    results = _spawn(_rank, world)
+    for rank, result in enumerate(results):
+        errors, notices = result["errors"], result["notices"]
+        print(f"\nworld {world} rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
+              + f"; peak {result['peak_pack']:.2f} x|x| (stand-in {result['peak_stand_in']:.2f}); "
+              f"groups {result['splits']}")
+        assert errors["stand-in vs single process"] <= TOLERANCE, errors
+        for label in ("pack, first call (self-check)", "pack"):
+            assert errors[label] <= TOLERANCE, (label, errors)
+            assert not [line for line in notices[label] if "runs as ComfyUI's own" in line], notices[label]
+        # High: 8 heads over the world's ranks in groups of a head a rank (world 2: 4 groups, world 4: 2)
+        assert result["splits"].get(str(HEADS // world)) == 1, result["splits"]   # (1: cross-attention)
+        assert result["peak_pack"] < result["peak_stand_in"], result
+        failed = notices["one rank's check fails"]
+        assert errors["one rank's check fails"] <= TOLERANCE
+        reason = "a difference planted" if rank == world - 1 else "failed on another rank"
+        assert any("Wan block runs as ComfyUI's own" in line and reason in line for line in failed), failed
+        assert any("ring_degree to 1" in line for line in notices["ring degree"]), notices["ring degree"]
+        assert errors["ring degree"] <= TOLERANCE
+        assert any("another node patched its self_attn" in line for line in notices["unknown forward"]), \
+            notices["unknown forward"]
+
+
+# --- raylight's own Wan path ------------------------------------------------------------------------------------
+def _raylight_src():
+    root = Path(os.environ.get("RAYLIGHT_PATH") or Path.home() / "raylight")
+    return root / "src" if (root / "src" / "raylight" / "distributed_modules" / "usp.py").is_file() else None
+
+
+def _raylight_skip_reason():
+    if _raylight_src() is None:
+        return "no raylight checkout (RAYLIGHT_PATH or ~/raylight: komikndr/raylight)"
+    import importlib.util
+    for name in ("xfuser", "yunchang"):
+        if importlib.util.find_spec(name) is None:
+            return f"{name} is not installed (pip install xfuser==0.4.5 yunchang)"
+    return None
+
+
+def _load_raylight(torch):
+    """raylight's bootstrap of xFuser's distributed modules on this machine (its `install_minimal_xfuser`);
+    xFuser's attention layer takes yunchang's only where it sees CUDA, so it is told so while it loads."""
+    sys.path.insert(0, str(_raylight_src()))
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        import raylight.xfuser_compat as compat
+        compat.install_minimal_xfuser()
+        import xfuser.core.long_ctx_attention  # noqa: F401
+    finally:
+        torch.cuda.is_available = available
+
+
+def _raylight_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    comfy_env.setup()
+    _load_raylight(torch)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import raylight.distributed_modules.attention as xfuser_attention
+        xfuser_attention.set_attn_type("TORCH_MATH")
+        xfuser_attention.set_sync_ulysses(False)
+        from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
+        init_distributed_environment(rank=rank, world_size=world)
+        initialize_model_parallel(sequence_parallel_degree=world, ulysses_degree=world)
+        from raylight.distributed_modules.usp import USPInjectRegistry
+        import comfy.patcher_extension
+        env = comfy_env.pack_modules()
+        env.core.head_split.SPLIT_FLOOR_TOKENS = 16
+        patcher = comfy_env.make_wan("t2v", dim=DIM, heads=HEADS, layers=2, text_dim=32)
+        inputs = comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE)
+        inputs.pop("transformer_options")
+        want = comfy_env.model_forward(patcher, inputs)
+        result = {"errors": {}, "notices": {}}
+        for label, level in (("raylight", None), ("raylight + pack", "High")):
+            model = patcher.clone() if level is None else env.node.apply_patch(patcher, level, "sdpa", True)[0]
+            model.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, USPInjectRegistry.inject)
+            model.patch_model(device_to=torch.device("cpu"))   # object patches, then raylight's injection
+            try:
+                env.core.reset_notices()
+                env.core.drain_tally()
+                for call in ("first", "second"):
+                    with torch.no_grad():
+                        got = model.model.diffusion_model(**{k: comfy_env.fresh(v) for k, v in inputs.items()},
+                                                          transformer_options={})
+                    result["errors"][f"{label}, {call} call"] = _err(got, want)
+                result["notices"][label] = env.core.drain_notices()
+                result.setdefault("splits", {})[label] = {str(k): v for k, v in env.core.drain_tally().splits.items()}
+            finally:
+                model.unpatch_model()
+                for block in model.model.diffusion_model.blocks:   # raylight's binding goes with its model
+                    _unbind(block)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_through_raylights_own_wan_path():
+    comfy_env.require_comfyui()
+    reason = _raylight_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    results = _spawn(_raylight_rank, 2)
+    for rank, result in enumerate(results):
+        print(f"\nraylight rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items())
+              + f"; groups {result['splits']}")
+        assert all(err <= TOLERANCE for err in result["errors"].values()), result["errors"]
+        assert not [line for line in result["notices"]["raylight + pack"] if "runs as ComfyUI's own" in line]
+        assert result["splits"]["raylight + pack"].get(str(HEADS // 2), 0) >= 2, result["splits"]
+        assert result["splits"]["raylight"] == {}, result["splits"]
