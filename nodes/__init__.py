@@ -3,11 +3,12 @@ has a top-level module named `nodes`)."""
 from comfy_api.latest import ComfyExtension
 
 from .patch_node import NODES
+from .raylight_node import raylight_nodes
 
 
 class QKVExtension(ComfyExtension):
     async def get_node_list(self):
-        return list(NODES)
+        return list(NODES) + raylight_nodes()
 
 
 async def comfy_entrypoint() -> QKVExtension:

@@ -95,8 +95,8 @@ def _unknown_forward(self, x, freqs, transformer_options={}, **kwargs):
 
 
 # --- one rank -------------------------------------------------------------------------------------------------
-def _block_inputs(torch, patcher):
-    """The first block's own call arguments in the tiny model's forward (x, e, freqs, context, ...)."""
+def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16):
+    """The first block's own call arguments in the model's forward (x, e, freqs, context, ...)."""
     seen = {}
     block = patcher.model.diffusion_model.blocks[0]
 
@@ -106,7 +106,8 @@ def _block_inputs(torch, patcher):
     handle = block.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
-            patcher.model.diffusion_model(**comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE))
+            patcher.model.diffusion_model(**comfy_env.make_inputs(patcher, "t2v", frames=frames, h=side, w=side,
+                                                                  text_tokens=text_tokens))
     except StopIteration:
         pass
     finally:
@@ -155,7 +156,7 @@ def _rank_checks(torch, dist, rank: int, world: int) -> dict:
 
     def shard(name, value):
         if name == "x":
-            return value[:, local].clone()
+            return value[:, local].contiguous()   # raylight: padded (a new tensor), then its chunk
         if name == "freqs":
             return value[:, local]
         return value
@@ -260,6 +261,71 @@ def test_the_bounded_block_over_raylights_ulysses(world):
             notices["unknown forward"]
 
 
+def _peak_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Per-rank peaks of a Wan block of the memory tests' proportions (width 512, 16 heads, feed-forward 2.7x,
+    512 text tokens; bf16), 8,192 tokens sharded: the pack's bounded block over the stand-in's group and the
+    stand-in's own (ComfyUI's block with raylight's forwards), x the rank's |x|."""
+    import importlib
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        env = comfy_env.pack_modules()
+        sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
+        memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
+        env.core.head_split.SPLIT_FLOOR_TOKENS = 1024
+        patcher = comfy_env.make_wan("t2v", dim=512, heads=16, layers=1, ffn_dim=1376, text_dim=32,
+                                     dtype=torch.bfloat16)
+        seen = _block_inputs(torch, patcher, frames=8, side=64, text_tokens=512)
+        block = patcher.model.diffusion_model.blocks[0]
+        n = seen["x"].shape[1] // world
+        local = slice(rank * n, (rank + 1) * n)
+        # raylight pads the tokens to a multiple of the world (a new, contiguous tensor) and takes its chunk
+        sharded = {k: (v[:, local].contiguous() if k in ("x", "freqs") else v) for k, v in seen.items()}
+        patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+        patched.patch_model(load_weights=False)
+        _GROUP.append(dist.new_group(list(range(world))))
+        sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[0])
+        sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
+        _bind(block, _usp_self_attention)
+        x_bytes = sharded["x"].numel() * sharded["x"].element_size()
+        peaks = {}
+        with torch.no_grad():
+            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})   # the self-check
+            env.core.drain_notices()
+            for name, fn in (("pack", block), ("stand-in", lambda **kw: type(block).forward(block, **kw))):
+                fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+                peaks[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
+                    x_bytes
+            peaks["notices"] = env.core.drain_notices()
+            env.core.drain_tally()
+            _unbind(block)   # the same block on the rank's tokens alone (no exchange): what the exchange adds
+            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+            fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+            peaks["alone"] = memory.measure_peak(block, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
+                x_bytes
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(peaks, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_per_rank_peak_of_the_bounded_block():
+    """Over 2 ranks, a Wan block of real proportions: the pack's block holds under a third of the stand-in's
+    (ComfyUI's block with raylight's forwards: 9.0 x the rank's |x|), and the exchange adds at most a quarter of
+    |x| to the same block run on the rank's tokens alone (its 16 heads exchange in 8 groups of a head a rank:
+    each group's buffers 1/8 |x|; Wan 14B's 40 heads in 20)."""
+    comfy_env.require_comfyui()
+    for rank, peaks in enumerate(_spawn(_peak_rank, 2)):
+        print(f"\nrank {rank}: pack {peaks['pack']:.2f} x|x| (its block on the rank's tokens alone "
+              f"{peaks['alone']:.2f}), raylight's forwards in ComfyUI's block {peaks['stand-in']:.2f}")
+        assert not [line for line in peaks["notices"] if "runs as ComfyUI's own" in line], peaks["notices"]
+        assert peaks["pack"] < peaks["stand-in"] / 3, peaks
+        assert peaks["pack"] <= peaks["alone"] + 0.25, peaks
+
+
 # --- raylight's own Wan path ------------------------------------------------------------------------------------
 def _raylight_src():
     root = Path(os.environ.get("RAYLIGHT_PATH") or Path.home() / "raylight")
@@ -351,3 +417,80 @@ def test_through_raylights_own_wan_path():
         assert not [line for line in result["notices"]["raylight + pack"] if "runs as ComfyUI's own" in line]
         assert result["splits"]["raylight + pack"].get(str(HEADS // 2), 0) >= 2, result["splits"]
         assert result["splits"]["raylight"] == {}, result["splits"]
+
+
+# --- the node for raylight's Ray actors -------------------------------------------------------------------------
+class _Actor:
+    """A stand-in of raylight's Ray actor: `model_function_runner.remote(fn, *args)` sends `fn` as Ray does
+    (cloudpickle: by value where its module cannot be imported there) and keeps `fn(model, *args)`."""
+
+    def __init__(self, model):
+        self.model = model
+        actor = self
+
+        class _Runner:
+            @staticmethod
+            def remote(fn, *args, **kwargs):
+                import cloudpickle
+                sent = cloudpickle.loads(cloudpickle.dumps(fn))
+                actor.model = sent(actor.model, *args, **kwargs)
+                return "done"
+        self.model_function_runner = _Runner()
+
+
+def test_the_raylight_node_patches_every_worker(monkeypatch):
+    """QKV Attention (raylight) patches each actor's model (the actor keeps the patched clone), checks its options
+    before any actor is asked, and a worker without a model says which node to connect first."""
+    import types
+    pytest.importorskip("cloudpickle")
+    env = comfy_env.pack_modules()
+    import importlib
+    node = importlib.import_module(env.pack.__name__ + ".nodes.raylight_node")
+    assert node.raylight_nodes() == ([node.QKVRaylightPatch] if node.ray_available() else [])
+    asked = []
+    monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=lambda futures: asked.append(futures)))
+    models = [comfy_env.make_wan("t2v", dim=128, heads=4, layers=1, text_dim=32) for _ in range(2)]
+    actors = [_Actor(model) for model in models]
+    node.QKVRaylightPatch.execute({"workers": actors}, "High", "sdpa", True)
+    assert asked == [["done", "done"]]
+    for actor, model in zip(actors, models):
+        assert actor.model is not model and not model.object_patches   # a clone; the loaded model untouched
+        keys = [key for key, value in actor.model.object_patches.items() if env.compat.is_ours(value)]
+        assert "diffusion_model.blocks.0.forward" in keys and "diffusion_model.blocks.0.self_attn.forward" in keys
+    with pytest.raises(ValueError, match="head split level must be one of"):
+        node.QKVRaylightPatch.execute({"workers": actors}, "Highest", "sdpa", True)
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        node.QKVRaylightPatch.execute({"workers": actors}, "High", "xformers2", True)
+    assert len(asked) == 1
+    with pytest.raises(ValueError, match="after raylight's model loader"):
+        node.QKVRaylightPatch.execute({"workers": [_Actor(None)]}, "High", "sdpa", True)
+
+
+def test_the_worker_patch_runs_where_the_pack_is_not_imported(tmp_path):
+    """The function the node sends, pickled as Ray pickles it, patches a model in a fresh Python that has ComfyUI
+    but not this pack imported (a Ray actor's): it imports the pack from its folder under ComfyUI's name for it."""
+    import subprocess
+    cloudpickle = pytest.importorskip("cloudpickle")
+    env = comfy_env.pack_modules()
+    import importlib
+    node = importlib.import_module(env.pack.__name__ + ".nodes.raylight_node")
+    sent = tmp_path / "patch.pkl"
+    sent.write_bytes(cloudpickle.dumps(node.worker_patch()))
+    script = f"""
+import sys
+sys.path[:0] = [{str(Path(__file__).parent)!r}]
+import cloudpickle, comfy_env
+comfy_env.setup()
+assert {node.PACKAGE!r} not in sys.modules
+patch = cloudpickle.loads(open({str(sent)!r}, "rb").read())
+model = comfy_env.make_wan("t2v", dim=128, heads=4, layers=1, text_dim=32)
+patched = patch(model, "High", "sdpa", True)
+ours = [key for key, value in patched.object_patches.items() if getattr(value, "_qkv_patch", False)]
+print("PATCHED", len(ours), sys.modules[{node.PACKAGE!r}].__file__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          cwd=str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("PATCHED"))
+    count, where = line.split()[1:]
+    assert int(count) >= 3 and Path(where).resolve() == Path(node.PACK_DIR, "__init__.py").resolve(), line
