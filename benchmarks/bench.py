@@ -9,6 +9,8 @@
     python -m benchmarks.bench --comfyui [PATH] --family-models [options] # benchmarks/family_models.py
     python -m benchmarks.bench --comfyui [PATH] --minimax-model [options] # benchmarks/minimax_model.py
     python -m benchmarks.bench --comfyui [PATH] --report-check [options]  # benchmarks/report_check.py (CUDA)
+    torchrun --nproc-per-node 2 -m benchmarks.bench --comfyui [PATH] --raylight-model [options]
+                                                   # benchmarks/raylight_model.py (raylight's Ulysses, 2 GPUs)
 
 Run from the repository root (`scripts/bench` does); the benchmarks are not part of the node pack's runtime.
 
@@ -41,6 +43,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -444,6 +447,10 @@ def main(argv=None) -> int:
         return _run_pack_module(argv, "--minimax-model", "minimax_model")
     if "--report-check" in argv:
         return _run_pack_module(argv, "--report-check", "report_check")
+    if "--raylight-model" in argv:   # one process a GPU (torchrun): ComfyUI takes the current CUDA device
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and "cpu" not in argv:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return _run_pack_module(argv, "--raylight-model", "raylight_model")
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)

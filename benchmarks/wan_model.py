@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import time
+from typing import Optional
 
 import torch
 
@@ -212,8 +213,9 @@ def conditioning(seed: int, text_dim: int, negative: str = "random"):
 
 
 def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool, text_dim: int, seed: int = 0,
-                negative_kind: str = "random"):
-    """One `comfy.sample.sample` run (euler, simple) of a `frames` x `size` (w, h) latent: a result record."""
+                negative_kind: str = "random", keep: Optional[dict] = None):
+    """One `comfy.sample.sample` run (euler, simple) of a `frames` x `size` (w, h) latent: a result record.
+    `keep`: a dict that gets the sampled latent under "samples" (on the CPU)."""
     import comfy.sample
     width, height = size
     latent = torch.zeros(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8)
@@ -247,9 +249,11 @@ def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool,
     logger.addHandler(factor)
     start = time.perf_counter()
     try:
-        comfy.sample.sample(run, noise, steps, cfg, "euler", "simple", positive, negative, latent,
-                            callback=lambda *a: step_marks.append(time.perf_counter()), disable_pbar=True,
-                            seed=seed)
+        samples = comfy.sample.sample(run, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                                      callback=lambda *a: step_marks.append(time.perf_counter()),
+                                      disable_pbar=True, seed=seed)
+        if keep is not None:
+            keep["samples"] = samples.cpu()
         record["fits"] = True
     except ProbeDone:
         record["fits"] = True

@@ -155,7 +155,8 @@ def test_the_families_benchmark_forces_the_split_where_asked():
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
-    case = blocks.Case("flux-tiny", "a tiny Flux double block", blocks.flux_case("double", 1024, 16, width=512, heads=4))
+    case = blocks.Case("flux-tiny", "a tiny Flux double block",
+                       blocks.flux_case("double", 1024, 16, width=512, heads=4))
     cpu = torch.device("cpu")
     whole = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3)
     split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor=0)
@@ -172,7 +173,8 @@ def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
     comfy_env.require_comfyui()
     pack = comfy_env.load_pack()
     blocks = importlib.import_module(pack.__name__ + ".benchmarks.family_blocks")
-    case = blocks.Case("flux-tiny", "a tiny Flux double block", blocks.flux_case("double", 1024, 16, width=512, heads=4))
+    case = blocks.Case("flux-tiny", "a tiny Flux double block",
+                       blocks.flux_case("double", 1024, 16, width=512, heads=4))
     blocks.CASES["flux-tiny"] = case
     calls = []
     original = blocks._run_all

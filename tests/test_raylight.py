@@ -494,3 +494,23 @@ print("PATCHED", len(ours), sys.modules[{node.PACKAGE!r}].__file__)
     line = next(line for line in done.stdout.splitlines() if line.startswith("PATCHED"))
     count, where = line.split()[1:]
     assert int(count) >= 3 and Path(where).resolve() == Path(node.PACK_DIR, "__init__.py").resolve(), line
+
+
+def test_the_raylight_benchmark_runs_on_the_cpu(tmp_path):
+    """`--raylight-model --tiny` (benchmarks/raylight_model.py) under torchrun on 2 CPU processes: raylight alone
+    and with the pack sample the same latent, through raylight's own code."""
+    import subprocess
+    root = comfy_env.require_comfyui()
+    reason = _raylight_skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "benchmarks.bench", "--comfyui", str(root), "--raylight-model", "--raylight-root",
+                           str(_raylight_src().parent), "--device", "cpu", "--tiny", "--format", "bf16",
+                           "--frames", "5", "--size", "128x128", "--steps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=str(comfy_env.REPO_ROOT))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [row["method"] for row in report["rows"]] == ["raylight", "raylight + pack"]
+    assert all(row["fits"] for row in report["rows"]) and report["difference"] < 1e-3, report
