@@ -1,5 +1,5 @@
 """The pack inside raylight's sequence-parallel run (nodes/sequence_parallel.py, docs/design.md §3.7), on CPU:
-2 and 4 processes on gloo (torch.multiprocessing spawn, a file rendezvous), ComfyUI's own Wan blocks.
+2 and 4 processes on gloo (`gloo_ranks`), ComfyUI's own Wan blocks.
 
 raylight binds its Ulysses forwards to every Wan block's `self_attn` and `cross_attn` when it loads a model
 (after ComfyUI's object patches: the pack's block patch stays) and shards the tokens over its group. Here each rank
@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 import comfy_env
+import gloo_ranks
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.sequence_parallel]
 
@@ -128,22 +128,11 @@ def _unbind(block) -> None:
         module.__dict__.pop("forward", None)
 
 
-def _rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _block_checks(rank: int, world: int) -> dict:
+    """One rank's errors, notices, head groups and peaks (`test_the_bounded_block_over_raylights_ulysses`)."""
+    import importlib
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = _rank_checks(torch, dist, rank, world)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _rank_checks(torch, dist, rank: int, world: int) -> dict:
-    import importlib
     env = comfy_env.pack_modules()
     sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
     memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
@@ -224,21 +213,10 @@ def _rank_checks(torch, dist, rank: int, world: int) -> dict:
     return out
 
 
-def _spawn(target, world: int, *args) -> list:
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(target, args=(world, os.path.join(tmp, "rendezvous"), tmp) + args, nprocs=world, join=True)
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-    return results
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_bounded_block_over_raylights_ulysses(world):
     comfy_env.require_comfyui()
-    results = _spawn(_rank, world)
+    results = gloo_ranks.spawn(_block_checks, world)
     for rank, result in enumerate(results):
         errors, notices = result["errors"], result["notices"]
         print(f"\nworld {world} rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
@@ -261,55 +239,48 @@ def test_the_bounded_block_over_raylights_ulysses(world):
             notices["unknown forward"]
 
 
-def _peak_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _block_peaks(rank: int, world: int) -> dict:
     """Per-rank peaks of a Wan block of the memory tests' proportions (width 512, 16 heads, feed-forward 2.7x,
     512 text tokens; bf16), 8,192 tokens sharded: the pack's bounded block over the stand-in's group and the
     stand-in's own (ComfyUI's block with raylight's forwards), x the rank's |x|."""
     import importlib
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        env = comfy_env.pack_modules()
-        sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
-        memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
-        env.core.head_split.SPLIT_FLOOR_TOKENS = 1024
-        patcher = comfy_env.make_wan("t2v", dim=512, heads=16, layers=1, ffn_dim=1376, text_dim=32,
-                                     dtype=torch.bfloat16)
-        seen = _block_inputs(torch, patcher, frames=8, side=64, text_tokens=512)
-        block = patcher.model.diffusion_model.blocks[0]
-        n = seen["x"].shape[1] // world
-        local = slice(rank * n, (rank + 1) * n)
-        # raylight pads the tokens to a multiple of the world (a new, contiguous tensor) and takes its chunk
-        sharded = {k: (v[:, local].contiguous() if k in ("x", "freqs") else v) for k, v in seen.items()}
-        patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
-        patched.patch_model(load_weights=False)
-        _GROUP.append(dist.new_group(list(range(world))))
-        sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[0])
-        sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
-        _bind(block, _usp_self_attention)
-        x_bytes = sharded["x"].numel() * sharded["x"].element_size()
-        peaks = {}
-        with torch.no_grad():
-            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})   # the self-check
-            env.core.drain_notices()
-            for name, fn in (("pack", block), ("stand-in", lambda **kw: type(block).forward(block, **kw))):
-                fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
-                peaks[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
-                    x_bytes
-            peaks["notices"] = env.core.drain_notices()
-            env.core.drain_tally()
-            _unbind(block)   # the same block on the rank's tokens alone (no exchange): what the exchange adds
-            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+    env = comfy_env.pack_modules()
+    sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
+    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
+    env.core.head_split.SPLIT_FLOOR_TOKENS = 1024
+    patcher = comfy_env.make_wan("t2v", dim=512, heads=16, layers=1, ffn_dim=1376, text_dim=32,
+                                 dtype=torch.bfloat16)
+    seen = _block_inputs(torch, patcher, frames=8, side=64, text_tokens=512)
+    block = patcher.model.diffusion_model.blocks[0]
+    n = seen["x"].shape[1] // world
+    local = slice(rank * n, (rank + 1) * n)
+    # raylight pads the tokens to a multiple of the world (a new, contiguous tensor) and takes its chunk
+    sharded = {k: (v[:, local].contiguous() if k in ("x", "freqs") else v) for k, v in seen.items()}
+    patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+    patched.patch_model(load_weights=False)
+    _GROUP.append(dist.new_group(list(range(world))))
+    sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[0])
+    sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
+    _bind(block, _usp_self_attention)
+    x_bytes = sharded["x"].numel() * sharded["x"].element_size()
+    peaks = {}
+    with torch.no_grad():
+        block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})   # the self-check
+        env.core.drain_notices()
+        for name, fn in (("pack", block), ("stand-in", lambda **kw: type(block).forward(block, **kw))):
             fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
-            peaks["alone"] = memory.measure_peak(block, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
+            peaks[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
                 x_bytes
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(peaks, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+        peaks["notices"] = env.core.drain_notices()
+        env.core.drain_tally()
+        _unbind(block)   # the same block on the rank's tokens alone (no exchange): what the exchange adds
+        block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+        fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+        peaks["alone"] = memory.measure_peak(block, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
+            x_bytes
+    return peaks
 
 
 def test_the_per_rank_peak_of_the_bounded_block():
@@ -318,7 +289,7 @@ def test_the_per_rank_peak_of_the_bounded_block():
     |x| to the same block run on the rank's tokens alone (its 16 heads exchange in 8 groups of a head a rank:
     each group's buffers 1/8 |x|; Wan 14B's 40 heads in 20)."""
     comfy_env.require_comfyui()
-    for rank, peaks in enumerate(_spawn(_peak_rank, 2)):
+    for rank, peaks in enumerate(gloo_ranks.spawn(_block_peaks, 2)):
         print(f"\nrank {rank}: pack {peaks['pack']:.2f} x|x| (its block on the rank's tokens alone "
               f"{peaks['alone']:.2f}), raylight's forwards in ComfyUI's block {peaks['stand-in']:.2f}")
         assert not [line for line in peaks["notices"] if "runs as ComfyUI's own" in line], peaks["notices"]
@@ -356,52 +327,46 @@ def _load_raylight(torch):
         torch.cuda.is_available = available
 
 
-def _raylight_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _through_raylight(rank: int, world: int) -> dict:
+    """One rank's errors, notices and head groups of the tiny Wan through raylight's own path, alone and with
+    the pack."""
     import torch
-    import torch.distributed as dist
-    torch.set_num_threads(1)
     comfy_env.setup()
     _load_raylight(torch)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        import raylight.distributed_modules.attention as xfuser_attention
-        xfuser_attention.set_attn_type("TORCH_MATH")
-        xfuser_attention.set_sync_ulysses(False)
-        from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
-        init_distributed_environment(rank=rank, world_size=world)
-        initialize_model_parallel(sequence_parallel_degree=world, ulysses_degree=world)
-        from raylight.distributed_modules.usp import USPInjectRegistry
-        import comfy.patcher_extension
-        env = comfy_env.pack_modules()
-        env.core.head_split.SPLIT_FLOOR_TOKENS = 16
-        patcher = comfy_env.make_wan("t2v", dim=DIM, heads=HEADS, layers=2, text_dim=32)
-        inputs = comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE)
-        inputs.pop("transformer_options")
-        want = comfy_env.model_forward(patcher, inputs)
-        result = {"errors": {}, "notices": {}}
-        for label, level in (("raylight", None), ("raylight + pack", "High")):
-            model = patcher.clone() if level is None else env.node.apply_patch(patcher, level, "sdpa", True)[0]
-            model.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, USPInjectRegistry.inject)
-            model.patch_model(device_to=torch.device("cpu"))   # object patches, then raylight's injection
-            try:
-                env.core.reset_notices()
-                env.core.drain_tally()
-                for call in ("first", "second"):
-                    with torch.no_grad():
-                        got = model.model.diffusion_model(**{k: comfy_env.fresh(v) for k, v in inputs.items()},
-                                                          transformer_options={})
-                    result["errors"][f"{label}, {call} call"] = _err(got, want)
-                result["notices"][label] = env.core.drain_notices()
-                result.setdefault("splits", {})[label] = {str(k): v for k, v in env.core.drain_tally().splits.items()}
-            finally:
-                model.unpatch_model()
-                for block in model.model.diffusion_model.blocks:   # raylight's binding goes with its model
-                    _unbind(block)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    import raylight.distributed_modules.attention as xfuser_attention
+    xfuser_attention.set_attn_type("TORCH_MATH")
+    xfuser_attention.set_sync_ulysses(False)
+    from xfuser.core.distributed import init_distributed_environment, initialize_model_parallel
+    init_distributed_environment(rank=rank, world_size=world)
+    initialize_model_parallel(sequence_parallel_degree=world, ulysses_degree=world)
+    from raylight.distributed_modules.usp import USPInjectRegistry
+    import comfy.patcher_extension
+    env = comfy_env.pack_modules()
+    env.core.head_split.SPLIT_FLOOR_TOKENS = 16
+    patcher = comfy_env.make_wan("t2v", dim=DIM, heads=HEADS, layers=2, text_dim=32)
+    inputs = comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE)
+    inputs.pop("transformer_options")
+    want = comfy_env.model_forward(patcher, inputs)
+    result = {"errors": {}, "notices": {}}
+    for label, level in (("raylight", None), ("raylight + pack", "High")):
+        model = patcher.clone() if level is None else env.node.apply_patch(patcher, level, "sdpa", True)[0]
+        model.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, USPInjectRegistry.inject)
+        model.patch_model(device_to=torch.device("cpu"))   # object patches, then raylight's injection
+        try:
+            env.core.reset_notices()
+            env.core.drain_tally()
+            for call in ("first", "second"):
+                with torch.no_grad():
+                    got = model.model.diffusion_model(**{k: comfy_env.fresh(v) for k, v in inputs.items()},
+                                                      transformer_options={})
+                result["errors"][f"{label}, {call} call"] = _err(got, want)
+            result["notices"][label] = env.core.drain_notices()
+            result.setdefault("splits", {})[label] = {str(k): v for k, v in env.core.drain_tally().splits.items()}
+        finally:
+            model.unpatch_model()
+            for block in model.model.diffusion_model.blocks:   # raylight's binding goes with its model
+                _unbind(block)
+    return result
 
 
 def test_through_raylights_own_wan_path():
@@ -409,7 +374,7 @@ def test_through_raylights_own_wan_path():
     reason = _raylight_skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    results = _spawn(_raylight_rank, 2)
+    results = gloo_ranks.spawn(_through_raylight, 2)
     for rank, result in enumerate(results):
         print(f"\nraylight rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items())
               + f"; groups {result['splits']}")

@@ -1,5 +1,5 @@
 """The grouped Ulysses exchange (`qkv_core.ulysses_qkv_attention`, docs/design.md §2.9) on CPU: 2 and 4 processes
-on gloo (torch.multiprocessing spawn, a file rendezvous), run alone with `-m sequence_parallel`.
+on gloo (`gloo_ranks`: torch.multiprocessing spawn, a file rendezvous), run alone with `-m sequence_parallel`.
 
 Every rank builds the same layer and the whole sequence, keeps its shard, and checks in float32:
 - the grouped exchange at every valid group count equals Ulysses' single exchange of every head
@@ -13,14 +13,12 @@ One spawn per world size (results handed back as JSON); yunchang's all-to-all is
 """
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
+
+import gloo_ranks
 
 from qkv_core.sequence_parallel import (exchange_group_count, process_group_of, ulysses_qkv_attention,
                                         valid_group_counts)
@@ -132,38 +130,19 @@ def _refusals(world: int) -> dict:
     return out
 
 
-def _case_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        import sys
-        result = {"rank": rank, "comfy": [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]}
-        result["refusals"] = _refusals(world)   # first: a refusal that communicated would hang the next step
-        result["errors"] = _numerics(rank, world)
-        result["peaks"] = _peaks(rank, world)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world: int) -> list[dict]:
-    """Every rank's results on `world` CPU processes (gloo, a file rendezvous)."""
-    import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_case_rank, args=(world, os.path.join(tmp, "rendezvous"), tmp), nprocs=world, join=True)
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                results.append(json.load(f))
-    return results
+def _case_rank(rank: int, world: int) -> dict:
+    import sys
+    result = {"rank": rank, "comfy": [m for m in sys.modules if m == "comfy" or m.startswith("comfy.")]}
+    result["refusals"] = _refusals(world)   # first: a refusal that communicated would hang the next step
+    result["errors"] = _numerics(rank, world)
+    result["peaks"] = _peaks(rank, world)
+    return result
 
 
 # One test a world size, so that each spawns once (under pytest-xdist too); its parts are checked in turn.
 @pytest.mark.parametrize("world", [2, 4])
 def test_grouped_exchange_on_gloo(world):
-    results = _spawn(world)
+    results = gloo_ranks.spawn(_case_rank, world)
     _check_errors(world, results)
     _check_peaks(world, results)
     _check_refusals(world, results)
