@@ -10,6 +10,34 @@ from .planner import compute_dtype, plan as plan_working_set
 from .reference_cache import FORMATS, STORAGE, ReferenceCache, add_reference_cache
 
 
+def patch_widgets() -> list:
+    """The widgets QKV Attention and QKV Attention (raylight) share: head_split, attention_backend, block_bounds."""
+    return [
+        io.Combo.Input("head_split", options=list(LEVELS), default="High",
+                       tooltip="Attend long sequences (from 8,192 to 28,672 tokens of one image or "
+                               "video on, by family: the README says which) one group of heads at a "
+                               "time. Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the "
+                               "higher, the less VRAM (a Wan 14B block with block_bounds at 720p: Off "
+                               "4.5, Medium 2.4, High 2.3 times its input; on SageAttention 2 on "
+                               "Hopper 2.2 at every level, Low the fastest). Shorter sequences (images of "
+                               "about 1 MP, 1 MP edits with a reference, short 480p clips) are not "
+                               "split. The QKV VRAM Planner node estimates each level for your latent."),
+        io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
+                       tooltip="auto: the best installed kernel (SageAttention 2 on long calls, "
+                               "FlashAttention, else PyTorch SDPA), or ComfyUI's dispatcher if you "
+                               "chose a kernel with ComfyUI's flags or another node set an attention "
+                               "override. sage: the pack's staged SageAttention (its kernel, far less "
+                               "memory). comfy: ComfyUI's own choice. A backend that is missing or "
+                               "cannot take a call falls back to the next, said once in the log."),
+        io.Boolean.Input("block_bounds", default=True,
+                         tooltip="Also bound the whole transformer block: the modulated input is freed "
+                                 "once projected, the residual is updated in place, cross-attention "
+                                 "and the feed-forward run by token chunks. Off: only attention is "
+                                 "patched, and the stock feed-forward's peak (the block's largest) "
+                                 "stays."),
+    ]
+
+
 class QKVPatch(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -21,31 +49,7 @@ class QKVPatch(io.ComfyNode):
                         "of heads and block-level bounds on every transient, for less VRAM at the same "
                         f"results. Put it after the model loader. Adapted: {', '.join(display_names())}; other "
                         "models get the attention kernel only; anything unsupported passes through unchanged.",
-            inputs=[
-                io.Model.Input("model"),
-                io.Combo.Input("head_split", options=list(LEVELS), default="High",
-                               tooltip="Attend long sequences (from 8,192 to 28,672 tokens of one image or "
-                                       "video on, by family: the README says which) one group of heads at a "
-                                       "time. Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the "
-                                       "higher, the less VRAM (a Wan 14B block with block_bounds at 720p: Off "
-                                       "4.5, Medium 2.4, High 2.3 times its input; on SageAttention 2 on "
-                                       "Hopper 2.2 at every level, Low the fastest). Shorter sequences (images of "
-                                       "about 1 MP, 1 MP edits with a reference, short 480p clips) are not "
-                                       "split. The QKV VRAM Planner node estimates each level for your latent."),
-                io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
-                               tooltip="auto: the best installed kernel (SageAttention 2 on long calls, "
-                                       "FlashAttention, else PyTorch SDPA), or ComfyUI's dispatcher if you "
-                                       "chose a kernel with ComfyUI's flags or another node set an attention "
-                                       "override. sage: the pack's staged SageAttention (its kernel, far less "
-                                       "memory). comfy: ComfyUI's own choice. A backend that is missing or "
-                                       "cannot take a call falls back to the next, said once in the log."),
-                io.Boolean.Input("block_bounds", default=True,
-                                 tooltip="Also bound the whole transformer block: the modulated input is freed "
-                                         "once projected, the residual is updated in place, cross-attention "
-                                         "and the feed-forward run by token chunks. Off: only attention is "
-                                         "patched, and the stock feed-forward's peak (the block's largest) "
-                                         "stays."),
-            ],
+            inputs=[io.Model.Input("model")] + patch_widgets(),
             outputs=[io.Model.Output()],
             hidden=[io.Hidden.unique_id],   # the node the run report is drawn on (web/qkv_report.js)
         )

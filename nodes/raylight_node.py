@@ -18,7 +18,8 @@ import os
 
 from comfy_api.latest import io
 
-from .dispatch import AUTO, backend_choices
+from .dispatch import backend_choices
+from .patch_node import patch_widgets
 from .patching import LEVELS
 
 PACKAGE = __name__.rsplit(".", 2)[0]                                           # this pack as ComfyUI imported it
@@ -75,18 +76,9 @@ class QKVRaylightPatch(io.ComfyNode):
             description="QKV Attention for raylight's multi-GPU workers: put it after raylight's model loader "
                         "(RAY_ACTORS in and out). Every GPU's model is patched as QKV Attention patches one; with "
                         "raylight's sequence parallelism (Ulysses) on, a Wan block's attention heads are exchanged "
-                        "between the GPUs a group at a time, and the whole block is bounded on each GPU.",
-            inputs=[
-                RayActors.Input("ray_actors"),
-                io.Combo.Input("head_split", options=list(LEVELS), default="High",
-                               tooltip="As on QKV Attention: the higher, the less VRAM on each GPU."),
-                io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
-                               tooltip="As on QKV Attention (comfy attends as auto in raylight's exchange)."),
-                io.Boolean.Input("block_bounds", default=True,
-                                 tooltip="As on QKV Attention; raylight's own attention forwards replace the "
-                                         "pack's attention patch, so with it off nothing of raylight's run "
-                                         "changes."),
-            ],
+                        "between the GPUs a group at a time, and the whole block is bounded on each GPU. With "
+                        "block_bounds off nothing changes there (raylight's attention replaces the pack's).",
+            inputs=[RayActors.Input("ray_actors")] + patch_widgets(),
             outputs=[RayActors.Output()],
         )
 

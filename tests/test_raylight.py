@@ -412,6 +412,9 @@ def test_the_raylight_node_patches_every_worker(monkeypatch):
     import importlib
     node = importlib.import_module(env.pack.__name__ + ".nodes.raylight_node")
     assert node.raylight_nodes() == ([node.QKVRaylightPatch] if node.ray_available() else [])
+    schema = node.QKVRaylightPatch.define_schema()   # QKV Attention's widgets after raylight's actors
+    assert [i.id for i in schema.inputs] == ["ray_actors", "head_split", "attention_backend", "block_bounds"]
+    assert [o.io_type for o in schema.outputs] == ["RAY_ACTORS"]
     asked = []
     monkeypatch.setitem(sys.modules, "ray", types.SimpleNamespace(get=lambda futures: asked.append(futures)))
     models = [comfy_env.make_wan("t2v", dim=128, heads=4, layers=1, text_dim=32) for _ in range(2)]
