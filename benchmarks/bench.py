@@ -311,22 +311,13 @@ def _run_pack_module(argv, flag: str, name: str) -> int:
     return module.main(rest + (["--device", known.device] if known.device else []))
 
 
-def run_families(argv) -> int:
-    """`--comfyui PATH --families ...`: one block of each adapted family, stock vs the pack
-    (benchmarks/family_blocks.py, whose options follow)."""
-    return _run_pack_module(argv, "--families", "family_blocks")
-
-
-def run_references(argv) -> int:
-    """`--comfyui PATH --references ...`: reference images kept across steps on a Flux.2-shaped model
-    (benchmarks/reference_steps.py, whose options follow)."""
-    return _run_pack_module(argv, "--references", "reference_steps")
-
-
-def run_family_models(argv) -> int:
-    """`--comfyui PATH --family-models ...`: whole models of the non-Wan families, stock vs the pack, and the
-    memory factor each needs (benchmarks/family_models.py, whose options follow)."""
-    return _run_pack_module(argv, "--family-models", "family_models")
+# The workloads run inside ComfyUI by `_run_pack_module`: the flag, its module in benchmarks/ (whose options follow)
+PACK_MODULES = {"--families": "family_blocks",          # one block of each adapted family, stock vs the pack
+                "--references": "reference_steps",     # reference images kept across steps (Flux.2-shaped)
+                "--family-models": "family_models",     # whole models of the non-Wan families, and memory factors
+                "--minimax-model": "minimax_model",     # MiniMax H3 on a simulated card
+                "--report-check": "report_check",       # the run report against CUDA's peaks
+                "--raylight-model": "raylight_model"}   # Wan 14B through raylight's Ulysses, one process a GPU
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -437,20 +428,11 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--whole-model" in argv:
         return run_whole_model(argv)
-    if "--families" in argv:
-        return run_families(argv)
-    if "--references" in argv:
-        return run_references(argv)
-    if "--family-models" in argv:
-        return run_family_models(argv)
-    if "--minimax-model" in argv:
-        return _run_pack_module(argv, "--minimax-model", "minimax_model")
-    if "--report-check" in argv:
-        return _run_pack_module(argv, "--report-check", "report_check")
-    if "--raylight-model" in argv:   # one process a GPU (torchrun): ComfyUI takes the current CUDA device
-        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and "cpu" not in argv:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        return _run_pack_module(argv, "--raylight-model", "raylight_model")
+    for flag, name in PACK_MODULES.items():
+        if flag in argv:
+            if torch.cuda.is_available() and "LOCAL_RANK" in os.environ and "cpu" not in argv:
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))   # torchrun: ComfyUI takes the current GPU
+            return _run_pack_module(argv, flag, name)
     args = parse_args(argv)
     workload = WORKLOADS[args.workload]
     threads = args.threads or (workload.default_cpu_threads if args.device.type == "cpu" else None)
