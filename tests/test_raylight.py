@@ -95,8 +95,9 @@ def _unknown_forward(self, x, freqs, transformer_options={}, **kwargs):
 
 
 # --- one rank -------------------------------------------------------------------------------------------------
-def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16):
-    """The first block's own call arguments in the model's forward (x, e, freqs, context, ...)."""
+def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16, zero_context=False):
+    """The first block's own call arguments in the model's forward (x, e, freqs, context, ...); `zero_context`:
+    the text embeddings all zeros, as ConditioningZeroOut hands a negative over."""
     seen = {}
     block = patcher.model.diffusion_model.blocks[0]
 
@@ -106,14 +107,21 @@ def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16):
     handle = block.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
-            patcher.model.diffusion_model(**comfy_env.make_inputs(patcher, "t2v", frames=frames, h=side, w=side,
-                                                                  text_tokens=text_tokens))
+            inputs = comfy_env.make_inputs(patcher, "t2v", frames=frames, h=side, w=side, text_tokens=text_tokens)
+            if zero_context:
+                inputs["context"].zero_()
+            patcher.model.diffusion_model(**inputs)
     except StopIteration:
         pass
     finally:
         handle.remove()
     seen.pop("transformer_options", None)
     return seen
+
+
+def _fresh(arguments: dict) -> dict:
+    """A block call's arguments again, tensors cloned (the bounded block hands off and writes its inputs)."""
+    return {name: comfy_env.fresh(value) for name, value in arguments.items()}
 
 
 def _bind(block, self_forward, cross_forward=_usp_cross_attention) -> None:
@@ -151,7 +159,7 @@ def _block_checks(rank: int, world: int) -> dict:
         return value
     sharded = {name: shard(name, value) for name, value in inputs.items()}
     with torch.no_grad():
-        want = block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})[:, local]
+        want = block(**_fresh(inputs))[:, local]
     patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
     patched.patch_model(load_weights=False)   # the pack's object patches, then raylight's binding, as at a load
     _GROUP.append(dist.new_group(list(range(world))))   # the stand-in's sequence-parallel group
@@ -163,7 +171,7 @@ def _block_checks(rank: int, world: int) -> dict:
         env.core.drain_tally()
         env.core.reset_notices()
         with torch.no_grad():
-            got = block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+            got = block(**_fresh(sharded))
         out["errors"][label] = _err(got, want)
         out["notices"][label] = env.core.drain_notices()
         return env.core.drain_tally()
@@ -171,15 +179,14 @@ def _block_checks(rank: int, world: int) -> dict:
     try:
         _bind(block, _usp_self_attention)
         with torch.no_grad():   # the stand-in alone: ComfyUI's block, raylight's forwards
-            stock = type(block).forward(block, **{k: v.clone() if torch.is_tensor(v) else v
-                                                  for k, v in sharded.items()})
+            stock = type(block).forward(block, **_fresh(sharded))
         out["errors"]["stand-in vs single process"] = _err(stock, want)
         call("pack, first call (self-check)")
         tally = call("pack")
         out["splits"] = {str(k): v for k, v in tally.splits.items()}
         x_bytes = sharded["x"].numel() * sharded["x"].element_size()
         for name, fn in (("peak_pack", block), ("peak_stand_in", lambda **kw: type(block).forward(block, **kw))):
-            fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+            fresh = _fresh(sharded)
             with torch.no_grad():
                 out[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / x_bytes
         # a check that fails on the last rank only: every rank runs ComfyUI's block (raylight's forwards)
@@ -203,7 +210,7 @@ def _block_checks(rank: int, world: int) -> dict:
         _bind(block, _unknown_forward, _usp_cross_attention)
         env.compat.forget_verdicts()
         with torch.no_grad():
-            block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
+            block(**_fresh(sharded))
         out["notices"]["unknown forward"] = env.core.drain_notices()
     finally:
         sp.unregister_ulysses_forward(_usp_self_attention)
@@ -239,6 +246,73 @@ def test_the_bounded_block_over_raylights_ulysses(world):
             notices["unknown forward"]
 
 
+def _format_checks(rank: int, world: int) -> dict:
+    """Over the stand-in's group, with weights and inputs users feed: fp8-scaled weights in both file layouts
+    (ComfyUI's mixed-precision layers) and a zeroed negative. The pack's block against ComfyUI's block with
+    raylight's forwards (the same layers, the same exchange of the whole sequence) and against the single
+    process; its fallbacks and head groups."""
+    import importlib
+    import torch
+    import torch.distributed as dist
+    env = comfy_env.pack_modules()
+    sp = importlib.import_module(env.pack.__name__ + ".nodes.sequence_parallel")
+    env.core.head_split.SPLIT_FLOOR_TOKENS = 16
+    _GROUP.append(dist.new_group(list(range(world))))
+    sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[-1])
+    sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
+    out = {}
+    try:
+        for layout in comfy_env.FP8_LAYOUTS:
+            patcher = comfy_env.make_fp8_scaled_wan("t2v", dim=DIM, heads=HEADS, layers=1, text_dim=32,
+                                                    layout=layout)
+            inputs = _block_inputs(torch, patcher, zero_context=True)
+            block = patcher.model.diffusion_model.blocks[0]
+            n = inputs["x"].shape[1] // world
+            local = slice(rank * n, (rank + 1) * n)
+            sharded = {k: (v[:, local].contiguous() if k in ("x", "freqs") else v) for k, v in inputs.items()}
+            with torch.no_grad():
+                whole = block(**_fresh(inputs))[:, local]
+            patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+            patched.patch_model(load_weights=False)
+            _bind(block, _usp_self_attention)
+            try:
+                with torch.no_grad():
+                    stand_in = type(block).forward(block, **_fresh(sharded))
+                    env.core.reset_notices()
+                    block(**_fresh(sharded))   # the self-check
+                    env.core.drain_tally()
+                    ours = block(**_fresh(sharded))
+                out[layout] = {"vs stand-in": _err(ours, stand_in), "stand-in vs single process": _err(stand_in, whole),
+                               "notices": env.core.drain_notices(),
+                               "splits": {str(k): v for k, v in env.core.drain_tally().splits.items()}}
+            finally:
+                _unbind(block)
+                patched.unpatch_model(unpatch_weights=False)
+    finally:
+        sp.unregister_ulysses_forward(_usp_self_attention)
+        sp.unregister_ulysses_forward(_usp_cross_attention)
+    return out
+
+
+def test_fp8_scaled_weights_and_a_zeroed_negative_over_raylights_ulysses():
+    """fp8-scaled weights (both file layouts) and a zeroed negative over 2 ranks: the self-check passes on every
+    rank (no block runs ComfyUI's), the heads are exchanged in groups, and the pack's block equals ComfyUI's block
+    with raylight's forwards (float32 on the CPU, within 1e-3: the same layers, in another order)."""
+    comfy_env.require_comfyui()
+    import comfy.ops
+    if not hasattr(comfy.ops, "mixed_precision_ops"):
+        pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
+    # layers without row slices (v0.8.0's) keep every head in one exchange, as they keep one group on one GPU
+    groups = str(HEADS // 2) if hasattr(comfy.ops, "CastBiasWeightContext") else "1"
+    for rank, result in enumerate(gloo_ranks.spawn(_format_checks, 2)):
+        for layout, row in result.items():
+            print(f"\nrank {rank} {layout}: pack vs raylight's forwards {row['vs stand-in']:.1e}, raylight's vs the "
+                  f"single process {row['stand-in vs single process']:.1e}; groups {row['splits']}")
+            assert not [line for line in row["notices"] if "runs as ComfyUI's own" in line], row["notices"]
+            assert row["splits"].get(groups, 0) >= 1, row["splits"]
+            assert row["vs stand-in"] <= 1e-3, row   # float32 on the CPU: the layers dequantize their weights
+
+
 def _block_peaks(rank: int, world: int) -> dict:
     """Per-rank peaks of a Wan block of the memory tests' proportions (width 512, 16 heads, feed-forward 2.7x,
     512 text tokens; bf16), 8,192 tokens sharded: the pack's bounded block over the stand-in's group and the
@@ -267,17 +341,17 @@ def _block_peaks(rank: int, world: int) -> dict:
     x_bytes = sharded["x"].numel() * sharded["x"].element_size()
     peaks = {}
     with torch.no_grad():
-        block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})   # the self-check
+        block(**_fresh(sharded))   # the self-check
         env.core.drain_notices()
         for name, fn in (("pack", block), ("stand-in", lambda **kw: type(block).forward(block, **kw))):
-            fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+            fresh = _fresh(sharded)
             peaks[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
                 x_bytes
         peaks["notices"] = env.core.drain_notices()
         env.core.drain_tally()
         _unbind(block)   # the same block on the rank's tokens alone (no exchange): what the exchange adds
-        block(**{k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()})
-        fresh = {k: v.clone() if torch.is_tensor(v) else v for k, v in sharded.items()}
+        block(**_fresh(sharded))
+        fresh = _fresh(sharded)
         peaks["alone"] = memory.measure_peak(block, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
             x_bytes
     return peaks
