@@ -85,8 +85,12 @@ def exchange_group_count(heads: int, world: int, tokens: int, level=None, floor:
 
 
 def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, groups: Optional[int],
-           o_proj, o_columns: bool, force_attention: Optional[str], softmax_scale) -> None:
+           o_proj, o_columns: bool, force_attention: Optional[str], softmax_scale, group_scale=None) -> None:
     """`ValueError`s naming the fix, before any work or communication."""
+    if group_scale is not None and (isinstance(group_scale, bool) or not isinstance(group_scale, (int, float))
+                                    or not group_scale > 0):
+        raise ValueError(f"head_split_group_scale multiplies the level's head groups, a number > 0, not "
+                         f"{group_scale!r}; leave it out for the default")
     if kv_heads is not None and kv_heads != heads:
         raise ValueError(f"the grouped exchange takes as many key/value heads as query heads (got {kv_heads} and "
                          f"{heads}): repeat the key/value heads in the projection, or call qkv_attention per rank")
@@ -194,8 +198,8 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     ------
     ValueError
         Before any work or communication: heads not divisible by the world size, a group count whose groups
-        do not split over the ranks, grouped-query heads, an xFuser group with a ring degree, an `o_proj` that
-        `o_columns` cannot slice, inputs requiring grad in grad mode.
+        do not split over the ranks, a group scale that is not a number > 0, grouped-query heads, an xFuser
+        group with a ring degree, an `o_proj` that `o_columns` cannot slice, inputs requiring grad in grad mode.
     """
     if torch.is_grad_enabled():
         refuse_autograd("ulysses_qkv_attention", [("x", x_list), ("the q projection", q_proj),
@@ -205,7 +209,8 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     pg = process_group_of(group)
     world = dist.get_world_size(pg)
     rank = dist.get_rank(pg)
-    _check(heads, head_dim, kv_heads, world, groups, o_proj, o_columns, force_attention, softmax_scale)
+    _check(heads, head_dim, kv_heads, world, groups, o_proj, o_columns, force_attention, softmax_scale,
+           head_split_group_scale)
     x = take_activation(x_list, "x_list")
     if x.shape[-1] == 0 or x.shape[1] == 0:
         raise ValueError(f"x: expected tokens and features, got {tuple(x.shape)}")

@@ -113,6 +113,7 @@ def _refusals(world: int) -> dict:
         "heads per group not a multiple of the world": dict(groups=HEADS // world * 2),
         "grouped-query heads": dict(kv_heads=HEADS // 2),
         "o_columns without a weight": dict(o_proj=lambda t: t, o_columns=True),
+        "group scale not above 0": dict(head_split_group_scale=0),
     }
     out = {}
     for name, kwargs in cases.items():
@@ -185,6 +186,7 @@ def _check_refusals(world: int, results: list[dict]) -> None:
     assert "multiple of the world size" in refusals["heads per group not a multiple of the world"]
     assert "key/value heads" in refusals["grouped-query heads"]
     assert "o_columns=False" in refusals["o_columns without a weight"]
+    assert "a number > 0" in refusals["group scale not above 0"]
     if world == 4:
         assert "ulysses_degree" in refusals["heads over the world"]
 
@@ -204,3 +206,4 @@ def test_xfuser_coordinator_and_group_counts():
     assert exchange_group_count(40, 4, 75600, "high") == 10
     assert exchange_group_count(40, 2, 75600, "off") == 1
     assert exchange_group_count(40, 2, 4096, "high") == 1   # under the split floor
+    assert exchange_group_count(40, 2, 75600, "high", group_scale=0.5) == 10   # a family's multiple of the level's
