@@ -188,15 +188,20 @@ def remove_own_patches(patcher) -> int:
     return len(own) + int(kernel_patch.remove(patcher))
 
 
+def check_options(level: str, backend: str) -> None:
+    """`ValueError`s naming the choices, for a head split level or an attention backend the node does not offer."""
+    if level not in LEVELS:
+        raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
+    if backend not in backend_choices():
+        raise ValueError(f"attention backend must be one of {backend_choices()}, not {backend!r}")
+
+
 def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=None):
     """A patched clone of `model` (a ModelPatcher) and its report: a family adapter's patches, else the
     kernel-level patch (`kernel_patch`); a model with no diffusion model, or `backend` comfy without an
     adapter, comes back as an unpatched clone, with the reason logged. `node_id`: the node in the browser
     that shows each run's report."""
-    if level not in LEVELS:
-        raise ValueError(f"head split level must be one of {LEVELS}, not {level!r}")
-    if backend not in backend_choices():
-        raise ValueError(f"attention backend must be one of {backend_choices()}, not {backend!r}")
+    check_options(level, backend)
     config = QKVConfig(LEVELS.index(level), backend, bool(block_bounds))
     patched = model.clone()
     report = PatchReport()

@@ -18,9 +18,8 @@ import os
 
 from comfy_api.latest import io
 
-from .dispatch import backend_choices
 from .patch_node import patch_widgets
-from .patching import LEVELS
+from .patching import check_options
 
 PACKAGE = __name__.rsplit(".", 2)[0]                                           # this pack as ComfyUI imported it
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))         # its folder
@@ -84,10 +83,7 @@ class QKVRaylightPatch(io.ComfyNode):
 
     @classmethod
     def execute(cls, ray_actors, head_split, attention_backend, block_bounds) -> io.NodeOutput:
-        if head_split not in LEVELS:
-            raise ValueError(f"head split level must be one of {LEVELS}, not {head_split!r}")
-        if attention_backend not in backend_choices():
-            raise ValueError(f"attention backend must be one of {backend_choices()}, not {attention_backend!r}")
+        check_options(head_split, attention_backend)   # before any actor is asked
         import ray
         patch = worker_patch()
         ray.get([actor.model_function_runner.remote(patch, head_split, attention_backend, bool(block_bounds))

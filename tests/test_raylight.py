@@ -77,16 +77,11 @@ def _usp_self_attention(self, x, freqs, transformer_options={}, **kwargs):
     return self.o(_ulysses_sdpa(q, k, self.v(x).view(b, s, n, d)).flatten(2))
 
 
-def _usp_cross_attention(self, x, context, transformer_options={}, **kwargs):
-    """raylight's `usp_t2v_cross_attn_forward`: the rank's queries over the whole context (its exchange sends
-    the context every rank holds: the same numbers)."""
-    import torch
-    b, n, d = x.shape[0], self.num_heads, self.head_dim
-    q = self.norm_q(self.q(x)).view(b, -1, n, d).transpose(1, 2)
-    k = self.norm_k(self.k(context)).view(b, -1, n, d).transpose(1, 2)
-    v = self.v(context).view(b, -1, n, d).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-    return self.o(out.flatten(2))
+def _usp_cross_attention(self, *args, **kwargs):
+    """raylight's `usp_t2v_cross_attn_forward` / `usp_i2v_cross_attn_forward`: the rank's queries over the whole
+    context, which every rank holds (xFuser's exchange of it gives ComfyUI's own numbers): ComfyUI's forward,
+    bound as raylight binds its own."""
+    return type(self).forward(self, *args, **kwargs)
 
 
 def _unknown_forward(self, x, freqs, transformer_options={}, **kwargs):
@@ -95,9 +90,10 @@ def _unknown_forward(self, x, freqs, transformer_options={}, **kwargs):
 
 
 # --- one rank -------------------------------------------------------------------------------------------------
-def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16, zero_context=False):
-    """The first block's own call arguments in the model's forward (x, e, freqs, context, ...); `zero_context`:
-    the text embeddings all zeros, as ConditioningZeroOut hands a negative over."""
+def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16, zero_context=False, kind="t2v"):
+    """The first block's own call arguments in the `kind` model's forward (x, e, freqs, context, and for i2v the
+    CLIP image tokens before the text with `context_img_len`); `zero_context`: the text embeddings all zeros, as
+    ConditioningZeroOut hands a negative over."""
     seen = {}
     block = patcher.model.diffusion_model.blocks[0]
 
@@ -107,7 +103,7 @@ def _block_inputs(torch, patcher, frames=FRAMES, side=SIDE, text_tokens=16, zero
     handle = block.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.no_grad():
-            inputs = comfy_env.make_inputs(patcher, "t2v", frames=frames, h=side, w=side, text_tokens=text_tokens)
+            inputs = comfy_env.make_inputs(patcher, kind, frames=frames, h=side, w=side, text_tokens=text_tokens)
             if zero_context:
                 inputs["context"].zero_()
             patcher.model.diffusion_model(**inputs)
@@ -246,11 +242,11 @@ def test_the_bounded_block_over_raylights_ulysses(world):
             notices["unknown forward"]
 
 
-def _format_checks(rank: int, world: int) -> dict:
+def _user_inputs_checks(rank: int, world: int) -> dict:
     """Over the stand-in's group, with weights and inputs users feed: fp8-scaled weights in both file layouts
-    (ComfyUI's mixed-precision layers) and a zeroed negative. The pack's block against ComfyUI's block with
-    raylight's forwards (the same layers, the same exchange of the whole sequence) and against the single
-    process; its fallbacks and head groups."""
+    (ComfyUI's mixed-precision layers) with a zeroed negative, and an I2V model's CLIP image tokens beside the
+    text. The pack's block against ComfyUI's block with raylight's forwards (the same layers, the same exchange
+    of the whole sequence) and the latter against the single process; the pack's fallbacks and head groups."""
     import importlib
     import torch
     import torch.distributed as dist
@@ -260,12 +256,17 @@ def _format_checks(rank: int, world: int) -> dict:
     _GROUP.append(dist.new_group(list(range(world))))
     sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[-1])
     sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
+    import comfy.ops
+    layouts = comfy_env.FP8_LAYOUTS if hasattr(comfy.ops, "mixed_precision_ops") else ()
+    cases = {layout: (lambda layout=layout: comfy_env.make_fp8_scaled_wan("t2v", dim=DIM, heads=HEADS, layers=1,
+                                                                          text_dim=32, layout=layout), "t2v")
+             for layout in layouts}
+    cases["i2v"] = (lambda: comfy_env.make_wan("i2v", dim=DIM, heads=HEADS, layers=1, text_dim=32), "i2v")
     out = {}
     try:
-        for layout in comfy_env.FP8_LAYOUTS:
-            patcher = comfy_env.make_fp8_scaled_wan("t2v", dim=DIM, heads=HEADS, layers=1, text_dim=32,
-                                                    layout=layout)
-            inputs = _block_inputs(torch, patcher, zero_context=True)
+        for name, (make, kind) in cases.items():
+            patcher = make()
+            inputs = _block_inputs(torch, patcher, zero_context=kind == "t2v", kind=kind)
             block = patcher.model.diffusion_model.blocks[0]
             n = inputs["x"].shape[1] // world
             local = slice(rank * n, (rank + 1) * n)
@@ -282,9 +283,9 @@ def _format_checks(rank: int, world: int) -> dict:
                     block(**_fresh(sharded))   # the self-check
                     env.core.drain_tally()
                     ours = block(**_fresh(sharded))
-                out[layout] = {"vs stand-in": _err(ours, stand_in), "stand-in vs single process": _err(stand_in, whole),
-                               "notices": env.core.drain_notices(),
-                               "splits": {str(k): v for k, v in env.core.drain_tally().splits.items()}}
+                out[name] = {"vs stand-in": _err(ours, stand_in), "stand-in vs single process": _err(stand_in, whole),
+                             "notices": env.core.drain_notices(), "clip tokens": inputs.get("context_img_len"),
+                             "splits": {str(k): v for k, v in env.core.drain_tally().splits.items()}}
             finally:
                 _unbind(block)
                 patched.unpatch_model(unpatch_weights=False)
@@ -294,22 +295,26 @@ def _format_checks(rank: int, world: int) -> dict:
     return out
 
 
-def test_fp8_scaled_weights_and_a_zeroed_negative_over_raylights_ulysses():
-    """fp8-scaled weights (both file layouts) and a zeroed negative over 2 ranks: the self-check passes on every
-    rank (no block runs ComfyUI's), the heads are exchanged in groups, and the pack's block equals ComfyUI's block
-    with raylight's forwards (float32 on the CPU, within 1e-3: the same layers, in another order)."""
+def test_weights_and_inputs_users_feed_over_raylights_ulysses():
+    """fp8-scaled weights (both file layouts) with a zeroed negative, and I2V's CLIP image tokens, over 2 ranks:
+    the self-check passes on every rank (no block runs ComfyUI's), the heads are exchanged in groups, and the
+    pack's block equals ComfyUI's block with raylight's forwards (float32 on the CPU, within 1e-3: the same layers,
+    in another order). A ComfyUI without mixed-precision ops runs the I2V case alone."""
     comfy_env.require_comfyui()
     import comfy.ops
-    if not hasattr(comfy.ops, "mixed_precision_ops"):
-        pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
-    # layers without row slices (v0.8.0's) keep every head in one exchange, as they keep one group on one GPU
-    groups = str(HEADS // 2) if hasattr(comfy.ops, "CastBiasWeightContext") else "1"
-    for rank, result in enumerate(gloo_ranks.spawn(_format_checks, 2)):
-        for layout, row in result.items():
-            print(f"\nrank {rank} {layout}: pack vs raylight's forwards {row['vs stand-in']:.1e}, raylight's vs the "
+    fp8 = hasattr(comfy.ops, "mixed_precision_ops")
+    # layers without row slices (v0.8.0's fp8-scaled) keep every head in one exchange, as on one GPU they keep one
+    rows = hasattr(comfy.ops, "CastBiasWeightContext")
+    for rank, result in enumerate(gloo_ranks.spawn(_user_inputs_checks, 2)):
+        assert set(result) == set(comfy_env.FP8_LAYOUTS) | {"i2v"} if fp8 else "i2v" in result, result
+        assert result["i2v"]["clip tokens"] == 257
+        for name, row in result.items():
+            groups = str(HEADS // 2) if rows or name == "i2v" else "1"
+            print(f"\nrank {rank} {name}: pack vs raylight's forwards {row['vs stand-in']:.1e}, raylight's vs the "
                   f"single process {row['stand-in vs single process']:.1e}; groups {row['splits']}")
             assert not [line for line in row["notices"] if "runs as ComfyUI's own" in line], row["notices"]
             assert row["splits"].get(groups, 0) >= 1, row["splits"]
+            assert row["stand-in vs single process"] <= 1e-5, row
             assert row["vs stand-in"] <= 1e-3, row   # float32 on the CPU: the layers dequantize their weights
 
 
