@@ -22,10 +22,10 @@ from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, ulys
 from ..qkv_core.notices import notice_once
 from .comfy_ops import ComfyLinearRows
 from .dispatch import AUTO, COMFY, attention_kwargs
-from .norm_rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, PER_HEAD_ROPE_KINDS, ROPE_COS_SIN,
-                        ROPE_COS_SIN_HALVES, ROPE_COS_SIN_PAIRS, ROPE_KINDS, ROPE_PAIRS, ROPE_SPLIT_HALF,
-                        PerHeadNormRope, SpanningNormRope, rope_cos_sin_halves_rows, rope_cos_sin_rows, rope_rows,
-                        rope_split_half_rows, rotate_rows)
+from .norm_rope import PerHeadNormRope, SpanningNormRope
+from .rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, PER_HEAD_ROPE_KINDS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES,
+                   ROPE_COS_SIN_PAIRS, ROPE_KINDS, ROPE_PAIRS, ROPE_SPLIT_HALF, rope_cos_sin_halves_rows,
+                   rope_cos_sin_rows, rope_rows, rope_split_half_rows, rotate_rows)
 from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
 

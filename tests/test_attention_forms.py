@@ -155,3 +155,71 @@ def test_the_wan_cross_attention_chunks_are_larger_only_where_the_norm_runs_fuse
     wan = importlib.import_module(env.pack.__name__ + ".nodes.families.wan")
     assert wan.cross_chunk_fraction(torch.zeros(1, 4, 8)) == wan.CROSS_CHUNK_FRACTION == 8
     assert wan.CUDA_CROSS_CHUNK_FRACTION == 4
+
+
+JOINED_PASS_CHECK = """
+import sys
+sys.path.insert(0, {tests!r})
+import importlib
+import torch
+import comfy_env
+env = comfy_env.pack_modules()
+attention = importlib.import_module(env.pack.__name__ + ".nodes.attention")
+kernels = env.core.kernels
+assert kernels.INTERPRET and kernels.triton is not None
+launches = []
+real = kernels.norm_rope_launch
+def spy(*args, **kwargs):
+    launches.append(kwargs.get("weight2") is not None)
+    return real(*args, **kwargs)
+kernels.norm_rope_launch = spy
+B, N, H, D, split = 2, 12, 4, 16, 8
+g = torch.Generator().manual_seed(4)
+norms = []
+for _ in range(2):   # one epsilon, other weights: HiDream's image and text norms
+    norm = torch.nn.RMSNorm(H * D, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(H * D, generator=g))
+    norms.append(norm)
+theta = torch.rand(1, N, 1, D // 2, generator=g, dtype=torch.float64) * 6.0
+cos, sin = theta.cos(), theta.sin()
+freqs = torch.stack((cos, -sin, sin, cos), dim=-1).unflatten(-1, (2, 2)).float()
+q, k = (torch.randn(B, N, H, D, generator=g) for _ in range(2))
+with torch.no_grad():
+    expected = [attention.rotate_rows("pairs", freqs, torch.cat(
+        [norm(t[:, a:b].flatten(2)) for norm, (a, b) in zip(norms, ((0, split), (split, N)))],
+        dim=1).unflatten(-1, (H, D)), 0, N, range(H)) for t in (q, k)]
+mean_squares = tuple(t.float().square().mean(dim=(-2, -1)).unsqueeze(-1) for t in (q, k))
+norm_rope = attention.SpanningNormRope([(0, split, norms[0], norms[0]), (split, None, norms[1], norms[1])], H, D,
+                                       freqs)
+error = 0.0
+for heads in (range(0, 2), range(2, 4)):
+    group = env.core.head_split.HeadGroup(heads, heads, mean_squares)
+    q_group, k_group = (t[:, :, heads.start:heads.stop].clone() for t in (q, k))
+    norm_rope(q_group, k_group, group)
+    for got, want in zip((q_group, k_group), expected):
+        error = max(error, float((got - want[:, :, heads.start:heads.stop]).abs().max()))
+print("launches", launches, "error", error)
+"""
+
+
+def test_two_streams_spanning_norms_in_one_fused_pass():
+    """HiDream's image and text streams, each with its RMSNorm over all heads (one epsilon, other weights): a
+    head group's q and k are each normalized and rotated in one fused pass over both streams (the text tokens
+    taking their norm's weight; CUDA, here Triton's interpreter in a child process), equal to the modules' own
+    norms of the whole width, then rotated."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    comfy_env.require_comfyui()
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run([sys.executable, "-c", JOINED_PASS_CHECK.format(tests=tests)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(r"launches \[(.*)\] error (\S+)", done.stdout)
+    assert found, done.stdout[-2000:]
+    assert found.group(1) == ", ".join(["True"] * 4)   # one pass a tensor a group, both streams in it
+    assert float(found.group(2)) <= 1e-5

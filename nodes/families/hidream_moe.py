@@ -142,6 +142,37 @@ def _modulate_(x: torch.Tensor, factor: torch.Tensor, shift: torch.Tensor) -> to
     return x.mul_(factor).add_(shift)
 
 
+class _ExpertInputs:
+    """The experts' modulated inputs `norm(x) * factor + shift` in one launch a batch item: the plain LayerNorm
+    with the item's modulation as its affine weight and bias (`F.layer_norm(x, (C,), factor, shift, eps)`:
+    one rounding where the block's three operations round thrice, at most an ulp or two of bf16 apart; three
+    launches less for every product of the mixture). The routing keeps the block's own operations (a token
+    near a tie must meet the gate's logits as ComfyUI computes them)."""
+
+    def __init__(self, eps: float, factor: torch.Tensor, shift: torch.Tensor, batch: int):
+        self.eps, self.width = eps, int(factor.shape[-1])
+        # one (weight, bias) per batch item: the modulation of a batch of one, or one shared by the batch,
+        # serves every item in one launch
+        self.items = [(factor[i % factor.shape[0]].reshape(-1), shift[i % shift.shape[0]].reshape(-1))
+                      for i in range(1 if factor.shape[0] == shift.shape[0] == 1 else batch)]
+
+    def rows(self, source: torch.Tensor, rows: torch.Tensor, item: int) -> torch.Tensor:
+        """Batch item `item`'s modulated input for the token rows `rows` of its stream `source` `(N, C)`:
+        `(len(rows), C)`, a new tensor."""
+        weight, bias = self.items[item % len(self.items)]
+        return torch.nn.functional.layer_norm(source.index_select(0, rows), (self.width,), weight, bias, self.eps)
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The modulated input of the tokens `x` `(B, n, C)` (a view of the stream): a new tensor."""
+        if len(self.items) == 1:
+            weight, bias = self.items[0]
+            return torch.nn.functional.layer_norm(x, (self.width,), weight, bias, self.eps)
+        out = torch.empty_like(x)
+        for i, (weight, bias) in enumerate(self.items):
+            out[i] = torch.nn.functional.layer_norm(x[i], (self.width,), weight, bias, self.eps)
+        return out
+
+
 def _row_elements(mlp) -> int:
     """Elements one row's pass through a SwiGLU expert holds at once (its input, w1's and w3's outputs)."""
     return int(mlp.w1.weight.shape[1]) + 2 * int(mlp.w1.weight.shape[0])
@@ -156,13 +187,13 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
        from `out` by the block's operations); the (token, slot) pairs sorted by (token chunk, expert, batch item)
        and every segment's bounds read back in one device -> host copy (the only one of the call);
     2. for each token chunk, each expert on its rows of the chunk (by row chunks where they exceed the budget):
-       the rows of `out` gathered, their modulated input recomputed, the expert's w1 / w3 / SiLU / w2 (its
-       layers cast once, or their own forward: `ChunkedMLP`), the output in the compute dtype times the slot's
-       top-k weight (ComfyUI's `y * topk_weight`, one rounding), added into the chunk's routed sum (zeros) by
-       `index_add_`. A token's slots go to distinct experts, each added once: 0 + a is a, then a + b rounds
+       the rows of `out` gathered, their modulated input recomputed in one pass (`_ExpertInputs`), the
+       expert's w1 / w3 / SiLU / w2 (its layers cast once, or their own forward: `ChunkedMLP`), the output in
+       the compute dtype times the slot's top-k weight (ComfyUI's `y * topk_weight`, one rounding), added into
+       the chunk's routed sum (zeros) by `index_add_`. A token's slots go to distinct experts, each added once: 0 + a is a, then a + b rounds
        once, which is ComfyUI's `.sum(dim=1)` over its two slots (one slot: the product itself);
-    3. then, by sub-chunks of the chunk, `y = routed sum + shared_experts(x)` as the module rounds it, and
-       `add_`."""
+    3. then, by sub-chunks of the chunk, `y = routed sum + shared_experts(x)` as the module rounds it (x by
+       `_ExpertInputs` too), and `add_`."""
     batch, tokens, width = out.shape
     dtype, device = out.dtype, out.device
     moe_gate, experts = ff.gate, ff.experts
@@ -183,6 +214,7 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
 
     def modulated(a: int, b: int) -> torch.Tensor:
         return _modulate_(norm(out[:, a:b]).to(dtype=dtype), factor, shift)
+    inputs = _ExpertInputs(plain_layer_norm_eps(norm), factor, shift, batch)
 
     # 1. routing: the gate on token chunks (their modulated input the only transient of the stream's width)
     route = torch.empty(batch, tokens, k, dtype=torch.long, device=device)
@@ -220,12 +252,11 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
                     if mlps[e] is None:
                         mlps[e] = ChunkedMLP(expert, out, SWIGLU)
                     source, target = out[i, a:b], acc[i]
-                    item_factor, item_shift = factor[i % factor.shape[0]], shift[i % shift.shape[0]]
                     rows_step = even_chunk_tokens(stop - start, per_row, row_budget)
                     for r in range(start, stop, rows_step):
                         q = min(r + rows_step, stop)
                         rows = rows_of[r:q]
-                        x = _modulate_(norm(source.index_select(0, rows)).to(dtype=dtype), item_factor, item_shift)
+                        x = inputs.rows(source, rows, i)
                         y = mlps[e]([x]).to(dtype=dtype)
                         target.index_add_(0, rows, y.mul_(pair_weights[r:q]))
                         del x, y
@@ -237,7 +268,7 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
                 shared = ChunkedMLP(ff.shared_experts, out, SWIGLU)
             sub = even_chunk_tokens(b - a, batch * _row_elements(ff.shared_experts), row_budget)
             for u, v in token_ranges(b - a, sub):
-                y = shared([modulated(a + u, a + v)])
+                y = shared([inputs.tokens(out[:, a + u:a + v])])
                 part = acc[:, u:v]
                 y = y.add_(part) if y.dtype == dtype else part + y   # ComfyUI's y + shared(x)
                 add_(out[:, a + u:a + v], y, a + u, a + v)
