@@ -47,7 +47,7 @@ class PerHeadNormRope:
         launch()
         return True
 
-    def query_all_heads_(self, query: torch.Tensor) -> bool:
+    def query_all_heads_(self, query: torch.Tensor, group=None) -> bool:
         """q of every head at once (the runtime's buffer of all heads' q, before the head groups run): fused
         passes over every head instead of one per group. The norm over each head's own channels and the RoPE
         shared by all heads make it the same math as group by group. Only where the fused passes can take every
@@ -283,6 +283,28 @@ class SpanningNormRope:
             start, stop = max(start, first), min(end if stop is None else stop, end)
             if start < stop:
                 self._range_(t, start - first, stop - first, (index, which), norms[which], freqs, heads, group)
+
+    def query_all_heads_(self, query: torch.Tensor, group=None) -> bool:
+        """q of every head at once, in the runtime's buffer after its statistics pass (`group.mean_squares`):
+        one fused pass over the call's stream, or over two adjacent streams whose norms differ by their weights
+        alone, instead of one a group (the same math: each token's inverse RMS times the weight, rounded,
+        rotated). False (nothing done) where that does not apply: each group's q is normalized as before."""
+        if group is None or group.mean_squares is None or query.shape[2] != self.heads:
+            return False
+        every, freqs = range(self.heads), self.freqs[0]
+        if len(self.ranges) == 2:
+            return self._joined_(query, 0, every, group, freqs)
+        if len(self.ranges) != 1 or not kernels.can_run(query) or not self._kernel_rotates(freqs):
+            return False
+        start, stop, norm, _ = self.ranges[0]
+        if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
+                getattr(norm, "eps", None) is None:
+            return False
+        launch = kernels.norm_rope_launch(query, self._inverse((0, 0), norm, group.mean_squares[0]),
+                                          self._weight((0, 0), norm, query, every), freqs)
+        if launch is not None:
+            launch()
+        return launch is not None
 
     def _joined_(self, t: torch.Tensor, which: int, heads: range, group, freqs) -> bool:
         """Two adjacent streams over all of `t`'s tokens (HiDream's image and text), normalized from the

@@ -79,7 +79,8 @@ class GroupLoop:
         its shape or dtype differ). `q_in_out`: every group's q is already in its heads of `out`."""
         single = len(groups) == 1 and staged is None
         # a fused quantizer normalizes q itself
-        q_normed = q_in_out and (staged is None or self.o.fused_quant is None) and self.normalize_all_queries(out)
+        q_normed = q_in_out and (staged is None or self.o.fused_quant is None) and \
+            self.normalize_all_queries(out, groups[0])
         s = self.streams
         # each group's k and v go to the norm and a backend, which keep neither once their work is queued: the
         # next group may project into the same buffers (`CallStreams.buffers`); not where a caller's function,
@@ -114,13 +115,14 @@ class GroupLoop:
             del result
         return out
 
-    def normalize_all_queries(self, out: torch.Tensor) -> bool:
+    def normalize_all_queries(self, out: torch.Tensor, group: HeadGroup) -> bool:
         """Every head's q, already in `out`, normalized and rotated in place at once, before the groups run,
-        where the norm offers it (`norm_rope.query_all_heads_(q)`: a norm and a RoPE that treat each head
-        alike, in one fused pass per stream with no scratch): one launch per stream instead of one per group
-        and stream, the same math. False when it does not (each group's q is normalized as before)."""
+        where the norm offers it (`norm_rope.query_all_heads_(q, group)`, `group` a group of the call: its
+        `mean_squares` are the statistics pass's, for a norm that spans heads; a norm and a RoPE that treat
+        each head alike, in one fused pass per stream with no scratch): one launch per stream instead of one
+        per group and stream, the same math. False when it does not (each group's q is normalized as before)."""
         whole = getattr(self.norm_rope, "query_all_heads_", None) if fast_paths.on("all_heads_q") else None
-        return bool(whole is not None and whole(out))
+        return bool(whole is not None and whole(out, group))
 
     def values(self, group: HeadGroup, last: bool, k_later: bool) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """`(k, v)` of a group (`CallStreams.project_v`): v normalized by `norm_v` and joined with the prefix,

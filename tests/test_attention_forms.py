@@ -199,6 +199,16 @@ for heads in (range(0, 2), range(2, 4)):
     norm_rope(q_group, k_group, group)
     for got, want in zip((q_group, k_group), expected):
         error = max(error, float((got - want[:, :, heads.start:heads.stop]).abs().max()))
+every = env.core.head_split.HeadGroup(range(H), range(H), mean_squares)
+q_all = q.clone()   # every head's q at once, before the groups (the runtime's normalize_all_queries)
+assert norm_rope.query_all_heads_(q_all, every)
+error = max(error, float((q_all - expected[0]).abs().max()))
+one = attention.SpanningNormRope([(0, None, norms[0], norms[0])], H, D, freqs)   # one stream (Wan, LTX)
+with torch.no_grad():
+    want = attention.rotate_rows("pairs", freqs, norms[0](q.flatten(2)).unflatten(-1, (H, D)), 0, N, range(H))
+q_all = q.clone()
+assert one.query_all_heads_(q_all, every) and not one.query_all_heads_(q.clone(), None)
+error = max(error, float((q_all - want).abs().max()))
 print("launches", launches, "error", error)
 """
 
@@ -206,8 +216,9 @@ print("launches", launches, "error", error)
 def test_two_streams_spanning_norms_in_one_fused_pass():
     """HiDream's image and text streams, each with its RMSNorm over all heads (one epsilon, other weights): a
     head group's q and k are each normalized and rotated in one fused pass over both streams (the text tokens
-    taking their norm's weight; CUDA, here Triton's interpreter in a child process), equal to the modules' own
-    norms of the whole width, then rotated."""
+    taking their norm's weight; CUDA, here Triton's interpreter in a child process), and so is every head's q
+    at once from the statistics pass (`query_all_heads_`, one stream too), equal to the modules' own norms of
+    the whole width, then rotated."""
     import os
     import re
     import subprocess
@@ -221,5 +232,6 @@ def test_two_streams_spanning_norms_in_one_fused_pass():
     assert done.returncode == 0, done.stderr[-3000:]
     found = re.search(r"launches \[(.*)\] error (\S+)", done.stdout)
     assert found, done.stdout[-2000:]
-    assert found.group(1) == ", ".join(["True"] * 4)   # one pass a tensor a group, both streams in it
+    # one pass a tensor a group, both streams in it; every head's q in one pass, two streams or one
+    assert found.group(1) == ", ".join(["True"] * 5 + ["False"])
     assert float(found.group(2)) <= 1e-5

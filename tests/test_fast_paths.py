@@ -85,7 +85,7 @@ SAME_NUMBERS = textwrap.dedent("""
                 if t is not None:
                     kernels.norm_rope_pass(t, None, weight, freqs, 1e-6).run(t)
 
-        def query_all_heads_(self, query):
+        def query_all_heads_(self, query, group=None):
             self(query, None, None)
             return True
 

@@ -35,7 +35,7 @@ class _AllHeads(_RmsNorm):
         super().__init__()
         self.takes, self.whole_calls = takes, 0
 
-    def query_all_heads_(self, query) -> bool:
+    def query_all_heads_(self, query, group=None) -> bool:
         self.whole_calls += 1
         if not self.takes:
             return False
