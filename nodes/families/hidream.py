@@ -34,10 +34,9 @@ import comfy.ldm.hidream.model as hidream_model
 from .. import compat
 from ..attention import AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend
 from ..block_parts import SWIGLU, chunk_scale, foreign_part, output_projection_, projection_residual_
-from ..comfy_ops import chunk_tokens, token_ranges
 from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, probe_linear, probe_norms
-from .hidream_moe import add_gated, feed_forward_, is_moe, moe_functions
+from .hidream_moe import add_gated, feed_forward_, is_moe, modulate_, moe_functions
 
 FAMILY = "HiDream"
 MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("hidream")
@@ -170,15 +169,10 @@ def probe_block(block) -> Optional[str]:
     return None
 
 
-def _modulated_input(norm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, chunks: int) -> torch.Tensor:
-    """`norm(x) * (1 + scale) + shift` in a fresh tensor, by token chunks, with the block's own operations (the
-    same roundings: the routing downstream sees the same numbers)."""
-    out = torch.empty_like(x)
-    factor = 1 + scale
-    tokens = x.shape[1]
-    for a, b in token_ranges(tokens, chunk_tokens(tokens, x[:, :1].numel(), max(1, x.numel() * chunks // 8))):
-        out[:, a:b] = norm(x[:, a:b]).to(dtype=x.dtype) * factor + shift
-    return out
+def _modulated_input(norm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`norm(x) * (1 + scale) + shift` in a fresh tensor with the block's own operations (its roundings), the
+    product and the sum in place on the norm's output: three launches, no transient beside the result."""
+    return modulate_(norm(x).to(dtype=x.dtype), 1 + scale, shift)
 
 
 def run_block(block, config, image_tokens, image_tokens_masks=None, text_tokens=None, adaln_input=None, rope=None,
@@ -193,7 +187,7 @@ def run_block(block, config, image_tokens, image_tokens_masks=None, text_tokens=
         streams.append((text_tokens, block.norm1_t, block.norm3_t, block.ff_t, mods[6:]))
     tokens = sum(x.shape[1] for x, *_ in streams)
     chunks = chunk_scale(config.policy, attn.heads, tokens)
-    handed_off = [[_modulated_input(norm1, x, m[0], m[1], chunks)] for x, norm1, _, _, m in streams]
+    handed_off = [[_modulated_input(norm1, x, m[0], m[1])] for x, norm1, _, _, m in streams]
     attention = attend(attn, _form(attn), handed_off, attn.heads, _head_dim(attn), config, transformer_options,
                        freqs=rope, keep_keys=BLOCK_KEPT_KEYS).flatten(2)
     outs, start = [], 0

@@ -136,21 +136,22 @@ MOE_BUDGET = 1.3
 MOE_ROW_HEADROOM = 1.25
 
 
-def _modulate_(x: torch.Tensor, factor: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def modulate_(x: torch.Tensor, factor: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """`x * factor + shift` in place on `x` (a fresh norm output of the modulation's dtype): the block's two
     roundings."""
     return x.mul_(factor).add_(shift)
 
 
-class _ExpertInputs:
-    """The experts' modulated inputs `norm(x) * factor + shift` in one launch a batch item: the plain LayerNorm
-    with the item's modulation as its affine weight and bias (`F.layer_norm(x, (C,), factor, shift, eps)`:
-    one rounding where the block's three operations round thrice, at most an ulp or two of bf16 apart; three
-    launches less for every product of the mixture). The routing keeps the block's own operations (a token
-    near a tie must meet the gate's logits as ComfyUI computes them)."""
+class ModulatedNorm:
+    """`norm(x) * factor + shift` for a plain LayerNorm `norm` (no weight or bias: `plain_layer_norm_eps`) in one
+    launch a batch item: `F.layer_norm(x, (C,), factor, shift, eps)`, the modulation as the norm's affine weight
+    and bias. One rounding where the block's three operations round thrice (at most an ulp or two of bf16
+    apart), and no transient but the result: two launches less for every product of the mixture of experts. The
+    routing and the attention's input keep the block's own operations (a token near a routing tie meets the
+    gate's logits as ComfyUI computes them). `factor`, `shift`: `(B or 1, 1, C)` in the stream's dtype."""
 
     def __init__(self, eps: float, factor: torch.Tensor, shift: torch.Tensor, batch: int):
-        self.eps, self.width = eps, int(factor.shape[-1])
+        self.eps, self.width, self.factor, self.shift = eps, int(factor.shape[-1]), factor, shift
         # one (weight, bias) per batch item: the modulation of a batch of one, or one shared by the batch,
         # serves every item in one launch
         self.items = [(factor[i % factor.shape[0]].reshape(-1), shift[i % shift.shape[0]].reshape(-1))
@@ -163,14 +164,13 @@ class _ExpertInputs:
         return torch.nn.functional.layer_norm(source.index_select(0, rows), (self.width,), weight, bias, self.eps)
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """The modulated input of the tokens `x` `(B, n, C)` (a view of the stream): a new tensor."""
+        """The modulated input of the tokens `x` `(B, n, C)` (a view of the stream): a new tensor. Items with
+        modulations of their own take the block's three operations (fewer launches than one norm an item)."""
         if len(self.items) == 1:
             weight, bias = self.items[0]
             return torch.nn.functional.layer_norm(x, (self.width,), weight, bias, self.eps)
-        out = torch.empty_like(x)
-        for i, (weight, bias) in enumerate(self.items):
-            out[i] = torch.nn.functional.layer_norm(x[i], (self.width,), weight, bias, self.eps)
-        return out
+        normed = torch.nn.functional.layer_norm(x, (self.width,), None, None, self.eps)
+        return modulate_(normed, self.factor, self.shift)
 
 
 def _row_elements(mlp) -> int:
@@ -187,13 +187,13 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
        from `out` by the block's operations); the (token, slot) pairs sorted by (token chunk, expert, batch item)
        and every segment's bounds read back in one device -> host copy (the only one of the call);
     2. for each token chunk, each expert on its rows of the chunk (by row chunks where they exceed the budget):
-       the rows of `out` gathered, their modulated input recomputed in one pass (`_ExpertInputs`), the
+       the rows of `out` gathered, their modulated input recomputed in one pass (`ModulatedNorm`), the
        expert's w1 / w3 / SiLU / w2 (its layers cast once, or their own forward: `ChunkedMLP`), the output in
        the compute dtype times the slot's top-k weight (ComfyUI's `y * topk_weight`, one rounding), added into
        the chunk's routed sum (zeros) by `index_add_`. A token's slots go to distinct experts, each added once: 0 + a is a, then a + b rounds
        once, which is ComfyUI's `.sum(dim=1)` over its two slots (one slot: the product itself);
     3. then, by sub-chunks of the chunk, `y = routed sum + shared_experts(x)` as the module rounds it (x by
-       `_ExpertInputs` too), and `add_`."""
+       `ModulatedNorm` too), and `add_`."""
     batch, tokens, width = out.shape
     dtype, device = out.dtype, out.device
     moe_gate, experts = ff.gate, ff.experts
@@ -213,8 +213,8 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
     row_budget = max(budget - batch * step * width, 256 * per_row)
 
     def modulated(a: int, b: int) -> torch.Tensor:
-        return _modulate_(norm(out[:, a:b]).to(dtype=dtype), factor, shift)
-    inputs = _ExpertInputs(plain_layer_norm_eps(norm), factor, shift, batch)
+        return modulate_(norm(out[:, a:b]).to(dtype=dtype), factor, shift)
+    inputs = ModulatedNorm(plain_layer_norm_eps(norm), factor, shift, batch)
 
     # 1. routing: the gate on token chunks (their modulated input the only transient of the stream's width)
     route = torch.empty(batch, tokens, k, dtype=torch.long, device=device)
@@ -297,5 +297,5 @@ def feed_forward_(out: torch.Tensor, norm, ff, shift, scale, gate, chunks: int) 
         mlp_residual_(out, ff, ffn_input, add_gated(gate), gated=SWIGLU, scale=chunks)
 
 
-__all__ = ["MOE_BUDGET", "MOE_CHUNK_BUDGET", "MOE_ROW_HEADROOM", "is_moe", "moe_functions", "moe_elements_per_token",
+__all__ = ["MOE_BUDGET", "MOE_CHUNK_BUDGET", "MOE_ROW_HEADROOM", "ModulatedNorm", "modulate_", "is_moe", "moe_functions", "moe_elements_per_token",
            "add_gated", "add_gated_own", "bounded_moe_refusal", "bounded_moe_", "feed_forward_"]
