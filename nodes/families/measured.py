@@ -200,7 +200,8 @@ TABLE = {
     # ComfyUI's own estimate: the whole model needed 0.97 of it, not enough saved to plan with less. Half the
     # level's head groups (High: 10 of its 20 heads' groups): its split blocks are bound by the host's launches
     # (double block at 2048^2 on an H200, 20 groups: 2.47 x |x| at 1.19-1.45x stock's time), and with a tenth of
-    # the groups' keys kept by the statistics pass (`hidream.BLOCK_KEPT_KEYS`) 10 groups hold 2.36 x |x| at 1.00x.
+    # the groups' keys kept by the statistics pass (`hidream.BLOCK_KEPT_KEYS`) 10 groups hold 2.36 x |x| at 1.00x;
+    # with the block's launches cut by a fifth, 0.91-0.98x on two H100 machines.
     "hidream": Measured(
         whole_model(1.0, 1.0, "HiDream-I1 1024^2 0.97 unsplit (split not measured)"),
         {"block": cpu_block(15.35, 2.15, "tests/test_hidream_adapter.py (double block: 2.46 x |x| at 8 groups, the "
