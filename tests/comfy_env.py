@@ -283,6 +283,20 @@ def require_comfyui():
         pytest.skip(str(e))
 
 
+def run_interpreted(script: str, timeout: int = 600) -> str:
+    """`script` (Python source; `{tests}` in it becomes this folder) run in a child process under Triton's CPU
+    interpreter (TRITON_INTERPRET must be set before Triton is imported): its standard output. Skips without
+    Triton or ComfyUI; fails with the end of the child's error output when it fails."""
+    import subprocess
+    import pytest
+    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
+    require_comfyui()
+    done = subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).resolve().parent))],
+                          capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def comfyui_version():
     """ComfyUI's version string (comfyui_version.py), e.g. "0.8.0"; None if unknown."""
     root = setup()

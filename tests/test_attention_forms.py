@@ -219,19 +219,10 @@ def test_two_streams_spanning_norms_in_one_fused_pass():
     taking their norm's weight; CUDA, here Triton's interpreter in a child process), and so is every head's q
     at once from the statistics pass (`query_all_heads_`, one stream too), equal to the modules' own norms of
     the whole width, then rotated."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    comfy_env.require_comfyui()
-    tests = str(Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", JOINED_PASS_CHECK.format(tests=tests)], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = re.search(r"launches \[(.*)\] error (\S+)", done.stdout)
-    assert found, done.stdout[-2000:]
+    stdout = comfy_env.run_interpreted(JOINED_PASS_CHECK)
+    found = re.search(r"launches \[(.*)\] error (\S+)", stdout)
+    assert found, stdout[-2000:]
     # one pass a tensor a group, both streams in it; every head's q in one pass, two streams or one
     assert found.group(1) == ", ".join(["True"] * 5 + ["False"])
     assert float(found.group(2)) <= 1e-5

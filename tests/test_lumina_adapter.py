@@ -297,20 +297,12 @@ def test_norms_without_epsilon_in_the_fused_triton_pass():
     """Lumina's q/k norms have no epsilon of their own: torch's default is float32's for 16-bit tensors too,
     and the fused Triton norm + RoPE (CUDA; here Triton's interpreter, in a child process) must use the same
     (with bf16's, Z-Image's attention failed its self-check and ran stock)."""
-    import os
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     comfy_env.require_comfyui()
     lumina_model(ZIMAGE, "ZImage")   # skips where this ComfyUI builds none
-    tests = str(Path(__file__).resolve().parent)
-    done = subprocess.run([sys.executable, "-c", FUSED_NORM_CHECK.format(tests=tests)], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = re.search(r"fallbacks \[\] fused True error (\S+)", done.stdout)
-    assert found, done.stdout[-2000:]
+    stdout = comfy_env.run_interpreted(FUSED_NORM_CHECK)
+    found = re.search(r"fallbacks \[\] fused True error (\S+)", stdout)
+    assert found, stdout[-2000:]
     assert float(found.group(1)) <= 2e-2   # bf16 round-off: the kernel rounds the norm once, as torch does
 
 
