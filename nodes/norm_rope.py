@@ -50,9 +50,9 @@ class PerHeadNormRope:
     def query_all_heads_(self, query: torch.Tensor, group=None) -> bool:
         """q of every head at once (the runtime's buffer of all heads' q, before the head groups run): fused
         passes over every head instead of one per group. The norm over each head's own channels and the RoPE
-        shared by all heads make it the same math as group by group. Only where the fused passes can take every
-        stream (then True); else nothing is done (False) and each group's q is normalized as before (the
-        PyTorch path's scratch stays a group's)."""
+        shared by all heads make it the same math as group by group (`group`, the runtime's: not needed, these
+        norms take no statistics). Only where the fused passes can take every stream (then True); else nothing
+        is done (False) and each group's q is normalized as before (the PyTorch path's scratch stays a group's)."""
         launches = self._launches(query, 0)
         if launches is None:
             return False
