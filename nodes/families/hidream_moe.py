@@ -14,7 +14,7 @@ import torch
 
 import comfy.ldm.hidream.model as hidream_model
 
-from ..block_parts import SWIGLU, ChunkedMLP, mlp_residual_
+from ..block_parts import SWIGLU, ChunkedMLP, mlp_residual_, modulated_layer_norm_args, run_modulated_layer_norm
 from ..comfy_ops import (chunk_tokens, even_chunk_tokens, not_row_sliceable, plain_layer_norm_eps, stored_weights,
                          token_ranges)
 
@@ -143,34 +143,37 @@ def modulate_(x: torch.Tensor, factor: torch.Tensor, shift: torch.Tensor) -> tor
 
 
 class ModulatedNorm:
-    """`norm(x) * factor + shift` for a plain LayerNorm `norm` (no weight or bias: `plain_layer_norm_eps`) in one
-    launch a batch item: `F.layer_norm(x, (C,), factor, shift, eps)`, the modulation as the norm's affine weight
-    and bias. One rounding where the block's three operations round thrice (at most an ulp or two of bf16
-    apart), and no transient but the result: two launches less for every product of the mixture of experts. The
-    routing and the attention's input keep the block's own operations (a token near a routing tie meets the
-    gate's logits as ComfyUI computes them). `factor`, `shift`: `(B or 1, 1, C)` in the stream's dtype."""
+    """`norm(x) * factor + shift` for the stream's LayerNorm `norm` and its modulation `factor`, `shift` `(B or 1,
+    1, C)`: where the norm is plain, one launch a batch item (`block_parts.modulated_layer_norm`: the modulation
+    as the norm's affine weight and bias, one rounding where the block's three operations round thrice, at most
+    an ulp or two of bf16 apart): two launches less for every product of the mixture of experts. Else, and for
+    tokens of several items with modulations of their own, the block's own operations. The routing and the
+    attention's input keep the block's operations (a token near a routing tie meets the gate's logits as
+    ComfyUI computes them)."""
 
-    def __init__(self, eps: float, factor: torch.Tensor, shift: torch.Tensor, batch: int):
-        self.eps, self.width, self.factor, self.shift = eps, int(factor.shape[-1]), factor, shift
-        # one (weight, bias) per batch item: the modulation of a batch of one, or one shared by the batch,
-        # serves every item in one launch
-        self.items = [(factor[i % factor.shape[0]].reshape(-1), shift[i % shift.shape[0]].reshape(-1))
-                      for i in range(1 if factor.shape[0] == shift.shape[0] == 1 else batch)]
+    def __init__(self, norm, factor: torch.Tensor, shift: torch.Tensor, like: torch.Tensor):
+        self.norm, self.factor, self.shift = norm, factor, shift
+        # one F.layer_norm's arguments per batch item (None where it does not apply): the modulation of a batch
+        # of one, or one shared by the batch, serves every item in one launch
+        items = 1 if factor.shape[0] == shift.shape[0] == 1 else like.shape[0]
+        self.items = [modulated_layer_norm_args(norm, like, shift[i % shift.shape[0]], factor[i % factor.shape[0]])
+                      for i in range(items)]
 
     def rows(self, source: torch.Tensor, rows: torch.Tensor, item: int) -> torch.Tensor:
         """Batch item `item`'s modulated input for the token rows `rows` of its stream `source` `(N, C)`:
         `(len(rows), C)`, a new tensor."""
-        weight, bias = self.items[item % len(self.items)]
-        return torch.nn.functional.layer_norm(source.index_select(0, rows), (self.width,), weight, bias, self.eps)
+        planned = self.items[item % len(self.items)]
+        x = source.index_select(0, rows)
+        if planned is not None:
+            return run_modulated_layer_norm(x, planned)
+        return modulate_(self.norm(x).to(dtype=x.dtype), self.factor[item % self.factor.shape[0]],
+                         self.shift[item % self.shift.shape[0]])
 
     def tokens(self, x: torch.Tensor) -> torch.Tensor:
-        """The modulated input of the tokens `x` `(B, n, C)` (a view of the stream): a new tensor. Items with
-        modulations of their own take the block's three operations (fewer launches than one norm an item)."""
-        if len(self.items) == 1:
-            weight, bias = self.items[0]
-            return torch.nn.functional.layer_norm(x, (self.width,), weight, bias, self.eps)
-        normed = torch.nn.functional.layer_norm(x, (self.width,), None, None, self.eps)
-        return modulate_(normed, self.factor, self.shift)
+        """The modulated input of the tokens `x` `(B, n, C)` (a view of the stream): a new tensor."""
+        if len(self.items) == 1 and self.items[0] is not None:
+            return run_modulated_layer_norm(x, self.items[0])
+        return modulate_(self.norm(x).to(dtype=x.dtype), self.factor, self.shift)
 
 
 def _row_elements(mlp) -> int:
@@ -190,8 +193,9 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
        the rows of `out` gathered, their modulated input recomputed in one pass (`ModulatedNorm`), the
        expert's w1 / w3 / SiLU / w2 (its layers cast once, or their own forward: `ChunkedMLP`), the output in
        the compute dtype times the slot's top-k weight (ComfyUI's `y * topk_weight`, one rounding), added into
-       the chunk's routed sum (zeros) by `index_add_`. A token's slots go to distinct experts, each added once: 0 + a is a, then a + b rounds
-       once, which is ComfyUI's `.sum(dim=1)` over its two slots (one slot: the product itself);
+       the chunk's routed sum (zeros) by `index_add_`. A token's slots go to distinct experts, each added once:
+       0 + a is a, then a + b rounds once, which is ComfyUI's `.sum(dim=1)` over its two slots (one slot: the
+       product itself);
     3. then, by sub-chunks of the chunk, `y = routed sum + shared_experts(x)` as the module rounds it (x by
        `ModulatedNorm` too), and `add_`."""
     batch, tokens, width = out.shape
@@ -214,7 +218,7 @@ def bounded_moe_(out: torch.Tensor, norm, ff, shift: torch.Tensor, scale: torch.
 
     def modulated(a: int, b: int) -> torch.Tensor:
         return modulate_(norm(out[:, a:b]).to(dtype=dtype), factor, shift)
-    inputs = ModulatedNorm(plain_layer_norm_eps(norm), factor, shift, batch)
+    inputs = ModulatedNorm(norm, factor, shift, out)
 
     # 1. routing: the gate on token chunks (their modulated input the only transient of the stream's width)
     route = torch.empty(batch, tokens, k, dtype=torch.long, device=device)
@@ -297,5 +301,6 @@ def feed_forward_(out: torch.Tensor, norm, ff, shift, scale, gate, chunks: int) 
         mlp_residual_(out, ff, ffn_input, add_gated(gate), gated=SWIGLU, scale=chunks)
 
 
-__all__ = ["MOE_BUDGET", "MOE_CHUNK_BUDGET", "MOE_ROW_HEADROOM", "ModulatedNorm", "modulate_", "is_moe", "moe_functions", "moe_elements_per_token",
-           "add_gated", "add_gated_own", "bounded_moe_refusal", "bounded_moe_", "feed_forward_"]
+__all__ = ["MOE_BUDGET", "MOE_CHUNK_BUDGET", "MOE_ROW_HEADROOM", "ModulatedNorm", "modulate_", "is_moe",
+           "moe_functions", "moe_elements_per_token", "add_gated", "add_gated_own", "bounded_moe_refusal",
+           "bounded_moe_", "feed_forward_"]
