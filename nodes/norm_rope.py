@@ -276,7 +276,7 @@ class SpanningNormRope:
 
     def _apply_(self, t: torch.Tensor, which: int, heads: range, group) -> None:
         first, freqs = self._tokens(which, t, group)
-        if first == 0 and self._joined_(t, which, heads, group, freqs):
+        if first == 0 and len(self.ranges) == 2 and self._one_pass_(t, which, heads, group, freqs):
             return
         end = first + t.shape[1]
         for index, (start, stop, *norms) in enumerate(self.ranges):
@@ -286,46 +286,35 @@ class SpanningNormRope:
 
     def query_all_heads_(self, query: torch.Tensor, group=None) -> bool:
         """q of every head at once, in the runtime's buffer after its statistics pass (`group.mean_squares`):
-        one fused pass over the call's stream, or over two adjacent streams whose norms differ by their weights
-        alone, instead of one a group (the same math: each token's inverse RMS times the weight, rounded,
-        rotated). False (nothing done) where that does not apply: each group's q is normalized as before."""
-        if group is None or group.mean_squares is None or query.shape[2] != self.heads:
+        one fused pass (`_one_pass_`) instead of one a group (the same math: each token's inverse RMS times the
+        weight, rounded, rotated). False (nothing done) where that does not apply: each group's q is normalized
+        as before."""
+        if group is None or query.shape[2] != self.heads:
             return False
-        every, freqs = range(self.heads), self.freqs[0]
-        if len(self.ranges) == 2:
-            return self._joined_(query, 0, every, group, freqs)
-        if len(self.ranges) != 1 or not kernels.can_run(query) or not self._kernel_rotates(freqs):
-            return False
-        start, stop, norm, _ = self.ranges[0]
-        if start != 0 or stop not in (None, query.shape[1]) or not _is_norm(norm) or \
-                getattr(norm, "eps", None) is None:
-            return False
-        launch = kernels.norm_rope_launch(query, self._inverse((0, 0), norm, group.mean_squares[0]),
-                                          self._weight((0, 0), norm, query, every), freqs)
-        if launch is not None:
-            launch()
-        return launch is not None
+        return self._one_pass_(query, 0, range(self.heads), group, self.freqs[0])
 
-    def _joined_(self, t: torch.Tensor, which: int, heads: range, group, freqs) -> bool:
-        """Two adjacent streams over all of `t`'s tokens (HiDream's image and text), normalized from the
-        statistics pass by norms that differ by their weights alone: one fused pass, the second stream's tokens
-        taking its weight (one launch a group less). False where that does not apply (nothing done)."""
-        if len(self.ranges) != 2 or group.mean_squares is None or getattr(group, "tokens", None) is not None or \
-                not kernels.can_run(t) or \
-                not self._kernel_rotates(freqs):
+    def _one_pass_(self, t: torch.Tensor, which: int, heads: range, group, freqs) -> bool:
+        """Every stream of `t` (all the call's tokens) normalized from the statistics pass and rotated in one
+        fused pass: one stream, or two adjacent ones (HiDream's image and text) whose norms differ by their
+        weights alone, the second stream's tokens taking its weight. False where that does not apply (nothing
+        done)."""
+        ranges = self.ranges
+        if len(ranges) not in (1, 2) or group.mean_squares is None or getattr(group, "tokens", None) is not None \
+                or not kernels.can_run(t) or not self._kernel_rotates(freqs):
             return False
-        (start, split, *first), (second_start, stop, *second) = self.ranges
-        norms = (first[which], second[which])
-        eps = [getattr(norm, "eps", None) for norm in norms]
-        if start != 0 or split != second_start or stop not in (None, t.shape[1]) or not 0 < split < t.shape[1] \
-                or not all(_is_norm(norm) for norm in norms) or eps[0] is None or eps[0] != eps[1]:
+        norms = [r[2 + which] for r in ranges]
+        eps = {getattr(norm, "eps", None) for norm in norms}
+        if ranges[0][0] != 0 or ranges[-1][1] not in (None, t.shape[1]) or None in eps or len(eps) != 1 or \
+                not all(_is_norm(norm) for norm in norms) or \
+                (len(ranges) == 2 and not (ranges[0][1] == ranges[1][0] and 0 < ranges[0][1] < t.shape[1])):
             return False
         weights = [self._weight((index, which), norm, t, heads) for index, norm in enumerate(norms)]
-        if (weights[0] is None) != (weights[1] is None):
+        second = weights[1] if len(weights) == 2 else None
+        if (weights[0] is None) != (weights[-1] is None):
             return False
-        inverse = self._inverse(("joined", which), norms[0], group.mean_squares[which])
-        launch = kernels.norm_rope_launch(t, inverse, weights[0], freqs, weight2=weights[1],
-                                          split=split if weights[1] is not None else None)
+        inverse = self._inverse(("call", which), norms[0], group.mean_squares[which])
+        launch = kernels.norm_rope_launch(t, inverse, weights[0], freqs, weight2=second,
+                                          split=None if second is None else ranges[0][1])
         if launch is not None:
             launch()
         return launch is not None
