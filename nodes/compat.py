@@ -294,11 +294,16 @@ class ShortCall(str):
 def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check: Callable) -> Callable:
     """The forward the pack installs: `ours(*args, **kwargs)`, or `stock(...)` when `refuse(args, kwargs)`
     gives a reason or `check(args, kwargs)` (the cached self-check) does. Each reason is logged once a run
-    (`what` says which module)."""
+    (`what` says which module).
 
-    def forward(*args, **kwargs):
-        if _in_reference():
-            return stock(*args, **kwargs)
+    Under torch.compile (ComfyUI's `TorchCompileModel`, blocks compiled one by one): the decision and the
+    self-check run eagerly (`decide`: host state and checks that a trace would freeze, or trace into ComfyUI's
+    casts); the pack's forward runs eagerly as a whole (its transients are freed in an order of its own, which
+    a compiled graph's scheduling does not keep: docs/design.md §3.8); ComfyUI's forward, where it runs,
+    compiles as it would without the pack. The installed function itself is skipped by dynamo but not what it
+    calls: every block shares its code object, which would otherwise be compiled once per block."""
+
+    def decide(args, kwargs) -> Optional[str]:
         reason = None
         if torch.is_grad_enabled():
             reason = "gradients are enabled (the pack's forwards are for inference)"
@@ -312,13 +317,20 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
             _local.trees = outer
         if isinstance(reason, ShortCall):
             notice_once(f"short:{what}", f"[QKV] {what}: {SHORT_CALL_NOTICE} ({reason})")
-            return stock(*args, **kwargs)
-        if reason is not None:
+        elif reason is not None:
             notice_once(f"stock:{what}:{reason}", f"[QKV] {what} runs as ComfyUI's own: {reason}")
-            return stock(*args, **kwargs)
-        return ours(*args, **kwargs)
+        return None if reason is None else "stock"
 
-    return mark_ours(forward)
+    decide = torch.compiler.disable(decide, reason="QKV: the guards and the self-check run eagerly")
+    run_ours = torch.compiler.disable(ours, reason="QKV: the bounded forward keeps its own order of frees")
+
+    def forward(*args, **kwargs):
+        if _in_reference() or decide(args, kwargs) is not None:
+            return stock(*args, **kwargs)
+        return run_ours(*args, **kwargs)
+
+    return mark_ours(torch.compiler.disable(forward, recursive=False,
+                                            reason="QKV: one code object for every block's guard"))
 
 
 def check_tokens(tokens: int) -> int:

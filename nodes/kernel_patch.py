@@ -85,6 +85,7 @@ def _ours_can_take(backend, q, k, v, named) -> bool:
     return mask is None or torch.is_tensor(mask)
 
 
+@torch.compiler.disable(reason="QKV: the pack's backend choice and kernels run eagerly")
 def _attend(backend, q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False, scale=None,
             low_precision_attention=True, **_ignored):
     """ComfyUI's attention contract on the pack's backend. Inputs `(B, N, H*D)` or, with `skip_reshape`,
