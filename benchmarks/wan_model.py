@@ -22,6 +22,11 @@ What it does, per weight format (one process, the state dict made once):
   not fit). A probe stops after the first model call of the first step: every later call repeats its shapes
   and ComfyUI's loaded weights, so its peak is the run's.
 
+`--compile whole,blocks` runs each method again with a torch.compile node after it (`compile_ways.py`: ComfyUI's
+TorchCompileModel, or the blocks compiled one by one as KJNodes' nodes do); every record has the device's whole
+peak beside the allocator's (`device_peak.py`: what a real card must hold, comfy-aimdo's own memory included), and
+`--smallest-card 16,14,12,10,8` finds the smallest simulated card on which each method's probe fits by that peak.
+
 `--fast-paths-ab`: the pack's seconds per step with every host-time fast path on, with none (`--fast-paths`
 for others: each one off, `-NAME`), in turns on the first card and negative (`benchmarks/fast_paths_ab.py`);
 stock is not run.
@@ -54,6 +59,8 @@ from ..nodes.patching import apply_patch
 from ..nodes.families.wan import stock_functions
 from ..nodes.report import logger
 from . import fast_paths_ab as ab
+from .compile_ways import COMPILE_WAYS, DynamoLimits, compiled
+from .device_peak import DevicePeak
 from .wan_block import (FP8_SCALED, GGUF_Q8_0, comfyui_version, import_gguf_ops, kitchen_note, quantize_q8_0,
                         random_like)
 
@@ -245,13 +252,16 @@ def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool,
     free_everything()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    factor = _FactorLog()
+    factor, dynamo = _FactorLog(), DynamoLimits()
     logger.addHandler(factor)
+    logging.getLogger("torch._dynamo").addHandler(dynamo)
     start = time.perf_counter()
+    device_peak = DevicePeak()
     try:
-        samples = comfy.sample.sample(run, noise, steps, cfg, "euler", "simple", positive, negative, latent,
-                                      callback=lambda *a: step_marks.append(time.perf_counter()),
-                                      disable_pbar=True, seed=seed)
+        with device_peak:
+            samples = comfy.sample.sample(run, noise, steps, cfg, "euler", "simple", positive, negative, latent,
+                                          callback=lambda *a: step_marks.append(time.perf_counter()),
+                                          disable_pbar=True, seed=seed)
         if keep is not None:
             keep["samples"] = samples.cpu()
         record["fits"] = True
@@ -261,11 +271,15 @@ def sample_once(patcher, frames: int, size, steps: int, cfg: float, probe: bool,
         record["fits"], record["error"] = False, str(e).split("\n")[0][:160]
     finally:
         logger.removeHandler(factor)
+        logging.getLogger("torch._dynamo").removeHandler(dynamo)
     record["wall_s"] = time.perf_counter() - start
     if factor.message:
         record["pack_memory_estimate"] = factor.message
+    if dynamo.hits:
+        record["dynamo_recompile_limit"] = dynamo.hits
     if cuda:
         record["peak_vram_gib"] = torch.cuda.max_memory_allocated() / GiB
+        record["device_peak_gib"], record["reserved_peak_gib"] = device_peak.gib, device_peak.reserved_gib
     timed_steps = {step for step, _, _ in calls if step > 0 or steps == 1}
     if calls and timed_steps:
         record["s_per_step"] = sum(t for step, t, _ in calls if step in timed_steps) / len(timed_steps)
@@ -290,6 +304,29 @@ def search_frames(fits, first: int, step: int, most: int):
         if fits(frames):
             return frames
     return None
+
+
+def smallest_card(models: dict, methods, fmt: str, size, config: dict, args, default_reserve, negative: str,
+                  emit) -> None:
+    """`--smallest-card`: for each method, a probe (the first model call, whose peak is the run's) of
+    `--frames` frames on each card, largest first, until one does not fit: it fits when it runs out of no memory
+    and the device's whole peak (`DevicePeak`: the allocator's cache, the CUDA context, comfy-aimdo's own
+    memory) stays under the card. The smallest that fits is reported."""
+    cards = [float(c) for c in args.smallest_card.split(",") if c.strip()]
+    for method in methods:
+        smallest = None
+        for card in cards:
+            plan_for_card(card, default_reserve)
+            record = sample_once(models[method], args.frames, size, 1, args.cfg, True, config["text_dim"],
+                                 negative_kind=negative)
+            fits = record["fits"] and record.get("device_peak_gib") is not None and \
+                record["device_peak_gib"] <= card
+            emit(dict(record, format=fmt, card_gib=card, method=method, probe=True, fits_card=fits))
+            if not fits:
+                break
+            smallest = card
+        emit({"format": fmt, "method": method, "frames": args.frames, "size": args.size, "negative": negative,
+              "dynamic_vram": args.dynamic_vram, "smallest_card_gib": smallest, "cards_tried": cards})
 
 
 def fast_paths_runs(patched, fmt: str, card: float, negative: str, size, config: dict, args, default_reserve,
@@ -336,6 +373,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-frames", type=int, default=321)
     parser.add_argument("--layers", type=int, default=WAN_14B["num_layers"],
                         help="blocks (default 40; fewer only for a quick check)")
+    parser.add_argument("--compile", default="none",
+                        help=f"comma-separated, of {', '.join(COMPILE_WAYS)}: each method also run with that "
+                             f"torch.compile node after it (whole: TorchCompileModel; blocks: block by block, "
+                             f"KJNodes' way; default none)")
+    parser.add_argument("--smallest-card", default=None,
+                        help="comma-separated card sizes in GiB, largest first: the smallest on which a probe of "
+                             "each method runs with the device's whole peak under the card")
     parser.add_argument("--dynamic-vram", action="store_true", help="keep ComfyUI's Dynamic VRAM loader on")
     parser.add_argument("--gguf-pack", default=os.environ.get("COMFYUI_GGUF_PATH"),
                         help="a city96/ComfyUI-GGUF checkout, for gguf_q8_0 (default: $COMFYUI_GGUF_PATH)")
@@ -356,6 +400,9 @@ def main(argv=None) -> int:
         if card:
             format_cards.setdefault(fmt, []).append(float(card))
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    ways = [w.strip() for w in args.compile.split(",") if w.strip()]
+    if not ways or any(w not in COMPILE_WAYS for w in ways):
+        raise SystemExit(f"--compile: one or more of {', '.join(COMPILE_WAYS)}")
     negatives = [n.strip() for n in args.negatives.split(",") if n.strip()]
     if not negatives or any(n not in NEGATIVES for n in negatives):
         raise SystemExit(f"--negatives: one or more of {', '.join(NEGATIVES)}")
@@ -409,11 +456,14 @@ def main(argv=None) -> int:
                 if cuda:
                     plan_for_card(card, default_reserve)
                 for method in methods:
-                    record = sample_once(models[method], args.frames, size, args.steps, args.cfg, False,
-                                         config["text_dim"], negative_kind=negative)
-                    emit(dict(record, format=fmt, card_gib=card, method=method))
+                    for way in ways:
+                        record = sample_once(compiled(models[method], way), args.frames, size, args.steps,
+                                             args.cfg, False, config["text_dim"], negative_kind=negative)
+                        emit(dict(record, format=fmt, card_gib=card, method=method, compile=way))
             if args.search_frames or args.search_only:
                 break   # the search below runs on the first negative's verdicts
+        if args.smallest_card and cuda:
+            smallest_card(models, methods, fmt, size, config, args, default_reserve, negatives[0], emit)
         if args.search_frames or args.search_only:
             if cuda:
                 plan_for_card(format_cards.get(fmt, cards)[0], default_reserve)

@@ -63,6 +63,32 @@ def test_a_tiny_whole_model_run(bench, tmp_path):
     assert all("x0.90" in r["pack_memory_estimate"] for r in records if r["method"] == "pack")
 
 
+def test_a_tiny_whole_model_run_with_the_compile_nodes_after_each_method(bench, tmp_path):
+    """`--compile none,whole,blocks`: the pack sampled as it is, with ComfyUI's TorchCompileModel after it and with
+    its blocks compiled one by one (inductor), each record naming the way, none hitting dynamo's recompile limit."""
+    out = tmp_path / "records.jsonl"
+    assert bench.main(["--formats", "bf16:16", "--layers", "1", "--frames", "5", "--size", "128x128",
+                       "--steps", "2", "--negatives", "zeros", "--methods", "pack", "--compile", "none,whole,blocks",
+                       "--json", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["method"], r["compile"]) for r in records] == [("pack", way) for way in ("none", "whole", "blocks")]
+    assert all(r["fits"] and r["s_per_step"] > 0 and "dynamo_recompile_limit" not in r for r in records)
+
+
+def test_the_compile_ways_are_the_compile_nodes_wrappers(bench):
+    """`compile_ways.compiled`: ComfyUI's compile wrapper on a clone, over the whole diffusion model or one key a
+    block; an unknown way is refused."""
+    ways = importlib.import_module(bench.__name__.rsplit(".", 1)[0] + ".compile_ways")
+    patcher = comfy_env.make_wan("t2v", layers=2)
+    assert ways.compiled(patcher, "none") is patcher
+    whole, blocks = ways.compiled(patcher, "whole"), ways.compiled(patcher, "blocks")
+    assert list(whole.model_options["torch_compile_kwargs"]) and whole is not patcher
+    assert blocks.model_options["torch_compile_kwargs"]["dynamic"] is False
+    assert not patcher.model_options.get("torch_compile_kwargs")
+    with pytest.raises(SystemExit, match="--compile"):
+        ways.compiled(patcher, "everything")
+
+
 def test_both_fp8_scaled_file_layouts_load_as_quantized_weights(bench):
     """The whole-model benchmark's two fp8-scaled formats: a per-layer `comfy_quant` entry, and Comfy-Org's file
     layout (`scale_weight` per layer and a `scaled_fp8` marker) that ComfyUI's loader converts; both load through
