@@ -88,6 +88,13 @@ def replaced_patches(patcher, own_keys) -> list:
     return [key for key in own_keys if not compat.is_ours(patcher.object_patches.get(key))]
 
 
+# where ComfyUI's set_torch_compile_wrapper keeps its compile settings in model_options (TORCH_COMPILE_KWARGS)
+COMPILE_KWARGS_KEY = "torch_compile_kwargs"
+FULLGRAPH_ERROR = ("QKV Attention cannot run inside torch.compile(fullgraph=True): its forwards run eagerly between "
+                   "the compiled parts (docs/design.md §3.8). Turn fullgraph off in the compile node, or remove QKV "
+                   "Attention from this model.")
+
+
 def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, node_id=None, own_keys=()) -> dict:
     """The run's wrappers by kind. OUTER_SAMPLE: for the length of one sampling run, ComfyUI's activation
     estimate of this model is scaled by what `memory_factor` finds for this run (its memory planning happens
@@ -106,6 +113,8 @@ def make_run_wrappers(config: QKVConfig, adapter, patch_report: PatchReport, nod
 
     def outer_sample(executor, *args, **kwargs):
         patcher = executor.class_obj.model_patcher
+        if (patcher.model_options.get(COMPILE_KWARGS_KEY) or {}).get("fullgraph"):
+            raise ValueError(FULLGRAPH_ERROR)
         base_model = patcher.model
         noise = args[0] if args else kwargs.get("noise")
         shape = getattr(noise, "shape", None)

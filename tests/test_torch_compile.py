@@ -151,3 +151,20 @@ def test_the_installed_forward_is_skipped_by_dynamo_not_what_it_calls(env):
     assert env.compat.is_ours(forward)
     assert getattr(forward, "_torchdynamo_disable", False)
     assert getattr(forward, "_torchdynamo_disable_recursive", True) is False
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_fullgraph_compile_is_refused_with_the_fix(env, order):
+    """A compile node with fullgraph on (KJNodes offers it) cannot hold the pack's eager regions: the run stops
+    before sampling with a ValueError that names the fix, in either order, instead of dynamo's error mid-run."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    base = _model("float32", "cpu")
+
+    def fullgraph(patcher):
+        model = patcher.clone()
+        set_torch_compile_wrapper(model=model, backend="inductor", fullgraph=True, keys=["diffusion_model.blocks.0"])
+        return model
+    patched = fullgraph(env.node.apply_patch(base, "High", "sdpa", True)[0]) if order == "after" else \
+        env.node.apply_patch(fullgraph(base), "High", "sdpa", True)[0]
+    with pytest.raises(ValueError, match="fullgraph off"):
+        _sample(patched)
