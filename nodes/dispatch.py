@@ -2,7 +2,9 @@
 
 "auto" and the backend names go to `qkv_core`'s registry; "comfy" goes through ComfyUI's own dispatcher
 (`optimized_attention`: honours `--use-sage-attention` and friends). "auto" also takes ComfyUI's dispatcher
-when another node has set an `optimized_attention_override`, so that override is chained, not dropped.
+when another node has set an `optimized_attention_override`, so that override is chained, not dropped, and for
+a layer whose model file picks its kernel (`ComfyUI v0.38 on: `comfy_attention.function`), which then runs the
+pack's head groups.
 """
 from __future__ import annotations
 
@@ -68,10 +70,20 @@ def uses_comfy_dispatch(config, transformer_options) -> bool:
         "optimized_attention_override" in transformer_options or comfy_kernel_chosen()))
 
 
-def comfy_kernel_label(transformer_options) -> str:
+def layer_kernel(module):
+    """The attention kernel the model file picks for this layer (ComfyUI v0.38 on: the layer's `ComfyAttention`,
+    `comfy_attention.function`, e.g. `attention_comfy_kitchen_int8`), or None: none picked, or not available
+    on this device (ComfyUI leaves `function` None then and runs its default)."""
+    return getattr(getattr(module, "comfy_attention", None), "function", None)
+
+
+def comfy_kernel_label(transformer_options, dispatch_kwargs=None) -> str:
     """What ComfyUI's dispatcher runs, as the run report names it."""
     if "optimized_attention_override" in transformer_options:
         return "comfy: another node's attention override"
+    picked = getattr((dispatch_kwargs or {}).get("preferred_attention"), "function", None)
+    if picked is not None:
+        return f"comfy: the model file's {getattr(picked, '__name__', 'layer kernel')}"
     return f"comfy: {getattr(comfy_attention.optimized_attention, '__name__', 'its attention')}"
 
 
@@ -80,7 +92,7 @@ def comfy_attend(q, k, v, transformer_options, **dispatch_kwargs):
     `dispatch_kwargs` go to the dispatcher as the model passes them (`preferred_attention`,
     `low_precision_attention`)."""
     heads = q.shape[2]
-    count_attention(comfy_kernel_label(transformer_options))
+    count_attention(comfy_kernel_label(transformer_options, dispatch_kwargs))
     if k.shape[2] != heads:  # grouped-query: ComfyUI's dispatcher of this version wants equal heads
         k = k.repeat_interleave(heads // k.shape[2], dim=2)
         v = v.repeat_interleave(heads // v.shape[2], dim=2)
@@ -106,10 +118,18 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
     """Keyword options for a `qkv_core` call: `attention_fn` for ComfyUI's dispatcher, else the backend, and
     the level and floor of `config.policy` (`SplitPolicy.call_options`). `module`: the model's attention module,
     whose per-layer attention choice (`comfy_attention`, newer ComfyUI) goes to the dispatcher as the model would
-    pass it. `mask`: the attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the
+    pass it; with `auto`, a layer whose model file picks a kernel (`layer_kernel`) goes through the dispatcher,
+    which runs that kernel on each head group, and a forced backend says once that it runs instead. `mask`: the attention mask `(B or 1, heads or 1, Nq, Nk)` (or 2-/3-D), sliced per head group for the
     dispatcher."""
     split = config.policy.call_options()
-    if uses_comfy_dispatch(config, transformer_options):
+    picked = layer_kernel(module)
+    if picked is not None and config.backend not in (AUTO, COMFY):
+        notice_once(f"layer-kernel:{config.backend}",
+                    f"[QKV] the model file picks {getattr(picked, '__name__', 'a kernel')} for its attention "
+                    f"layers; attention_backend={config.backend} runs its own kernel instead (pick auto to use "
+                    f"the file's)")
+    if uses_comfy_dispatch(config, transformer_options) or (picked is not None and config.backend == AUTO):
+        # the file's kernel (ComfyUI's dispatcher runs it) takes the pack's head groups as it takes all heads
         preferred = getattr(module, "comfy_attention", None)
         dispatch = {} if preferred is None else {"preferred_attention": preferred}
         heads = getattr(module, "num_heads", None) or getattr(module, "heads", None) or 0

@@ -11,13 +11,15 @@ user chose with ComfyUI's flags (`auto`), a per-layer kernel choice (`preferred_
 any call with arguments the pack does not know.
 
 q, k and v come as tensors, or as ComfyUI's single-owner `AttentionTensorContainer`s (v0.33's MiniMax H3, every
-model from v0.40 on): ComfyUI's attention wrapper takes them out before an override that has no container path,
-and an override handed containers itself peeks at them to decide and takes them only where the pack's backend
-runs the call (a call that goes on gets them untouched).
+model from v0.40 on): the override has ComfyUI's container path (`container_function`), so ComfyUI's attention
+wrapper hands it the containers as they are; it peeks at them to decide and takes them only where the pack's
+backend runs the call (a call that goes on gets them untouched), and the wrapper keeps no reference to q/k/v.
 """
 from __future__ import annotations
 
 import torch
+
+import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import pay_attention
 from .dispatch import AUTO, COMFY, comfy_kernel_chosen
@@ -40,9 +42,30 @@ def make_override(backend: str, previous=None):
             return func(q, k, v, heads, *args, **kwargs)
         return _attend(backend, *(_take(t) for t in (q, k, v)), heads, **named)
 
+    def container_call(q, k, v, heads, *args, **kwargs):
+        """ComfyUI's container path (`wrap_attn` hands an override with `container_function` q/k/v in their
+        `AttentionTensorContainer`s, and no `func`): the pack's backend takes them, so no frame of ComfyUI's
+        holds q/k/v while the kernel runs; a call the pack does not run goes on to ComfyUI's dispatcher with
+        the containers untouched (past its override step: `_inside_attn_wrapper` is in `kwargs`)."""
+        named = _named(args, kwargs)
+        if named is None or not _ours_can_take(backend, *(_peek(t) for t in (q, k, v)), named):
+            return _comfy_dispatcher(named)(q, k, v, heads, *args, **kwargs)
+        return _attend(backend, *(_take(t) for t in (q, k, v)), heads, **named)
+
     override.comfyui_qkv_kernel_patch = True
     override.previous = previous
+    if previous is None:
+        override.container_function = container_call
+    elif hasattr(previous, "container_function"):   # ComfyUI calls the override it finds as it would this one
+        override.container_function = previous.container_function
     return override
+
+
+def _comfy_dispatcher(named):
+    """What ComfyUI's wrapper would have run for a call the pack hands on: its masked dispatcher for a call
+    with a mask, else its default one."""
+    masked = named is not None and named.get("mask") is not None
+    return comfy_attention.optimized_attention_masked if masked else comfy_attention.optimized_attention
 
 
 # ComfyUI's attention functions: (q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,

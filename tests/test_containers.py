@@ -90,3 +90,52 @@ def test_the_kernel_override_takes_only_the_containers_it_runs(env):
     boxes = [container(t) for t in (q, k, v)]
     override(lambda *args, **kwargs: seen.append(args), *boxes, 4, something_new=True)
     assert seen and all(box.tensor is not None for box in boxes) and seen[0][0] is boxes[0]
+
+
+def test_comfyuis_wrapper_hands_the_kernel_override_its_containers(env, monkeypatch):
+    """Through ComfyUI's own `optimized_attention` (its `wrap_attn`) with the kernel-level override set: the
+    override's container path gets the containers themselves, and the pack's backend takes them (ComfyUI's wrapper
+    holds no q/k/v while the kernel runs); a call it hands on reaches ComfyUI's kernel with them untouched; an
+    override chained behind it gets ComfyUI's `func` and tensors, as it would alone."""
+    torch = env.torch
+    attention = importlib.import_module("comfy.ldm.modules.attention")
+    container = getattr(attention, "AttentionTensorContainer", None)
+    if container is None:
+        pytest.skip("this ComfyUI has no AttentionTensorContainer")
+    kernel_patch = importlib.import_module(env.pack.__name__ + ".nodes.kernel_patch")
+    takers = []
+    take = container.take
+
+    def recorded_take(self):
+        frame = sys._getframe(1)
+        while frame.f_code.co_name.startswith("<"):   # a generator expression: its function is the taker
+            frame = frame.f_back
+        takers.append(frame.f_code.co_name)
+        return take(self)
+    monkeypatch.setattr(container, "take", recorded_take)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 4 * 16, generator=g) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(t.unflatten(-1, (4, 16)).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).flatten(2)
+
+    def call(override, **extra):
+        takers.clear()
+        boxes = [container(t) for t in (q, k, v)]
+        out = attention.optimized_attention(*boxes, 4, transformer_options={"optimized_attention_override": override},
+                                            **extra)
+        assert all(box.tensor is None for box in boxes)
+        return out
+
+    ours = kernel_patch.make_override("sdpa")
+    assert torch.allclose(call(ours), expected, atol=1e-5)
+    assert takers == ["_take"] * 3, takers                       # the pack's backend took them, not ComfyUI
+    assert torch.allclose(call(ours, something_new=True), expected, atol=1e-5)
+    assert takers == ["wrapper"] * 3, takers                     # handed on: ComfyUI's kernel took them
+
+    seen = []
+
+    def previous(func, *args, **kwargs):
+        seen.append((func, args[:3]))
+        return func(*args, **kwargs)
+    assert torch.allclose(call(kernel_patch.make_override("sdpa", previous)), expected, atol=1e-5)
+    assert seen and callable(seen[0][0]) and all(torch.is_tensor(t) for t in seen[0][1])
