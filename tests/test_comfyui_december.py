@@ -46,7 +46,6 @@ def _stand_in(attention, calls):
 
 
 def test_a_kernel_the_file_picks_runs_the_head_groups(env, attention, caplog):
-    torch = env.torch
     base = comfy_env.make_wan("t2v", **MODEL)
     calls = []
     kernel = _stand_in(attention, calls)
@@ -56,7 +55,7 @@ def test_a_kernel_the_file_picks_runs_the_head_groups(env, attention, caplog):
         layer.function = kernel
     reference = forward(base)
     assert set(calls) == {MODEL["heads"]}                 # stock: the picked kernel, every head at once
-    patched, report = env.node.apply_patch(base, "High", "auto", True)
+    patched, _ = env.node.apply_patch(base, "High", "auto", True)
     calls.clear()
     caplog.set_level(logging.INFO)
     out = forward(base, patched)
