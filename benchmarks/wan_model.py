@@ -357,7 +357,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cards", default="16,24", help="simulated card sizes in GiB (default 16,24)")
     parser.add_argument("--frames", type=int, default=81)
     parser.add_argument("--size", default="1280x720", help="width x height (default 1280x720)")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="sampling steps of the timed runs (default 2; 0: none, only the probes of "
+                             "--smallest-card / --search-frames)")
     parser.add_argument("--cfg", type=float, default=5.0)
     parser.add_argument("--methods", default="stock,pack")
     parser.add_argument("--negatives", default="zeros,random",
@@ -452,7 +454,7 @@ def main(argv=None) -> int:
                 fast_paths_runs(patched, fmt, format_cards.get(fmt, cards)[0], negative, size, config, args,
                                 default_reserve, cuda, emit)
                 break   # the first negative only: each variant's run is a whole sampling run
-            for card in ([] if args.search_only else format_cards.get(fmt, cards)):
+            for card in ([] if args.search_only or args.steps == 0 else format_cards.get(fmt, cards)):
                 if cuda:
                     plan_for_card(card, default_reserve)
                 for method in methods:
