@@ -7,19 +7,24 @@ of the pack's when:
 - another node patched a submodule the pack's forward would bypass (`foreign_forward`);
 - the self-check for this kind of call failed.
 The self-check runs at the first call of each signature (module kind, the stock forwards' functions, layer
-types, dtypes, device, the patch hooks present in `transformer_options`, the node's settings): ComfyUI's
-forward and the pack's run on the first `CHECK_TOKENS` tokens of one batch item of the real inputs, with the
-head split forced even at that size, and both outputs are measured against the same module in float32 with
-its weights dequantized (`exact_reference`): the pack's passes when it is no farther from that than ComfyUI's
-own, within a margin (`compare`), so each weight format is judged by its own noise. Patch hooks present in
+types, dtypes, device, the patch hooks present in `transformer_options`, the node's settings, and what the
+adapter says makes a case different: a zeroed context, say): both forwards run on the first `CHECK_TOKENS`
+tokens of every distinct conditioning of the real inputs (the adapter's `check_inputs`), with the head split
+forced even at that size, and are judged in two steps (`self_check`):
+1. the math, exactly: the pack's forward and ComfyUI's, each in float32 with the module's weights dequantized
+   and no input quantized (`exact_reference`), must agree to float32 round-off on every batch item
+   (`compare_exact`): a change of math shows whatever the weight format;
+2. the format, by its noise: both in the module's own format, each measured against ComfyUI's float32 output;
+   the pack's may be at most a margin farther from it than ComfyUI's own (`compare`).
+A float32 forward that cannot run is a failed check with its reason, never a looser rule. Patch hooks present in
 `transformer_options["patches"]` are replaced by probes for the check (other nodes' hooks never run on check
 inputs): when ComfyUI's forward calls a hook the pack's does not, the outputs differ and the pack steps
 aside. So a ComfyUI release that keeps the math keeps the savings, and one that changes it (a new hook, a new
 norm, a new argument) runs stock, with one log line, never with other numbers.
 
 Verdicts are kept for the process, keyed by the function objects (an edited or reloaded ComfyUI is checked
-again). The cost is one stock, one float32 and one patched forward of a few hundred tokens per signature: next
-to a sampling step of a long sequence, nothing.
+again). The cost is four forwards (ComfyUI's and the pack's, each in float32 and in the model's format) of a
+few hundred tokens a conditioning per signature: next to a sampling step of a long sequence, nothing.
 """
 from __future__ import annotations
 
@@ -27,31 +32,33 @@ from typing import Callable, Optional
 
 import torch
 
-import comfy.ops
-
-from ..qkv_core.notices import notice_once
+from ..qkv_core.notices import muted, notice_once
 from ..qkv_core.tally import not_counted
+from .check_inputs import (CHECK_ITEMS, CHECK_TOKENS, check_items, check_tokens, exact_reference, fresh_inputs,
+                           probe_options, uniform_case)
 from .module_tree import (ModuleTree, _local, foreign_forward, is_ours, layers_signature, mark_ours, module_tree,
                           stock_forward)
-from .reference_cache import STATE_KEY as REFERENCE_CACHE_KEY
 
-CHECK_TOKENS = 256
-# How the self-check judges (see `compare`). ComfyUI's forward and the pack's are both measured against the same
-# module run in float32 with its weights dequantized and its inputs unquantized (`exact_reference`): the pack's
-# distance may be at most (1 + CHECK_MARGIN) x ComfyUI's own plus a round-off of the output's dtype, times the
-# norm of the update the module adds. Both distances are the format's noise (bf16 rounding, an fp8 or int8
-# input quantization, a GGUF block scale): reordered sums draw new noise of the same size, a change of math
-# adds a distance of its own. Measured on the CPU (tiny Wan block, fp8-scaled, bf16): stock and pack 3.9 % from
-# the float32 reference each and 2.8 % from each other, whatever the negative prompt; bf16 weights 0.8 % each.
+# Step 1 (`compare_exact`): the pack's forward and ComfyUI's, both in float32 with dequantized weights, may differ
+# per batch item by this share of the update the module adds, plus `EXACT_ROUND_OFF` of the output's own norm (the
+# rounding of a residual sum). Reordered float32 sums differ by ~1e-6 of the update; a change of math by what it
+# changes (a 1 % larger update: 1e-2).
+EXACT_RTOL = 1e-4
+EXACT_ROUND_OFF = 1e-6
+# Step 2 (`compare`): the same forwards in the module's own format, each measured against ComfyUI's float32
+# output: the pack's distance may be at most (1 + CHECK_MARGIN) x ComfyUI's own plus a round-off of the output's
+# dtype, times the norm of the update. Both distances are the format's noise (bf16 rounding, an fp8 or int8 input
+# quantization, a GGUF block scale): reordered sums draw new noise of the same size. Measured on the CPU (tiny Wan
+# block, fp8-scaled, bf16): stock and pack 3.9 % from the float32 reference each and 2.8 % from each other; bf16
+# weights 0.8 % each. (What the math changes is step 1's to find: this step judges only what the format adds.)
 CHECK_MARGIN = 0.25
 CHECK_ROUND_OFF = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 4e-3}
-# Without a reference (the module does not run in float32): ComfyUI's output is the reference, with these
-# relative tolerances on the update. Float32 round-off of the pack's reordered sums is ~1e-6; a change of math
-# moves the result by far more.
+# `compare` without a reference (direct callers; the self-check always has one): ComfyUI's output is the
+# reference, with these relative tolerances on the update.
 CHECK_RTOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 CHECK_RTOL_16BIT = 2e-2
-# the share of tokens a routed block's check leaves out (`compare(routed=True)`): in 16 bits a few of 256 check
-# tokens sit near a tie between two experts
+# the share of tokens a routed block's step 2 leaves out (`compare(routed=True)`): in 16 bits a few of 256 check
+# tokens sit near a tie between two experts. Step 1 leaves none out: in float32 both forwards route alike.
 ROUTED_SHARE = 0.02
 
 _verdicts: dict = {}           # signature -> None (passed) or the reason it failed
@@ -81,28 +88,6 @@ class _Reference:
 
     def __exit__(self, *exc):
         _local.reference -= 1
-
-
-def probe_options(transformer_options: dict) -> dict:
-    """A copy of `transformer_options` whose patch hooks are replaced by probes: each returns its input's
-    `x` scaled by a factor of its own, so a forward that calls a hook gives a visibly different result, and
-    another node's hook never runs on check inputs. The reference cache's view of the call is left out: a check
-    neither fills nor reads a cache."""
-    if REFERENCE_CACHE_KEY in transformer_options:
-        transformer_options = {k: v for k, v in transformer_options.items() if k != REFERENCE_CACHE_KEY}
-    patches = transformer_options.get("patches")
-    if not patches:
-        return transformer_options
-    probed = {}
-    for index, (name, hooks) in enumerate(sorted(patches.items())):
-        factor = 0.5 + 0.125 * index
-
-        def probe(args, *rest, _factor=factor, **kwargs):
-            if isinstance(args, dict) and torch.is_tensor(args.get("x")):
-                return args["x"] * _factor
-            return args
-        probed[name] = [probe] * len(hooks) if isinstance(hooks, (list, tuple)) else probe
-    return {**transformer_options, "patches": probed}
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -203,12 +188,56 @@ def known_verdict(signature) -> tuple[bool, Optional[str]]:
     return True, verdict
 
 
+def compare_exact(reference, ours, base=None) -> Optional[str]:
+    """Step 1 of the self-check: None when `ours` (the pack's forward in float32 with dequantized weights) equals
+    `reference` (ComfyUI's, run so: `exact_reference`) to float32 round-off, else why not. Each batch item on its
+    own (an error in one conditioning is not diluted by the others): its distance at most `EXACT_RTOL` x the norm
+    of its update (`base`: the module's input where it adds an update to it) plus `EXACT_ROUND_OFF` x its output's
+    norm. No rows are left out, routed blocks' neither. Tensors or tuples of tensors."""
+    if reference is None and ours is None:
+        return None
+    if reference is None or ours is None:
+        return "one output is None, the other is not (in float32)"
+    if isinstance(reference, (tuple, list)):
+        parts = _parts(reference, ours, base, None)
+        if isinstance(parts, str):
+            return parts
+        for a, b, part_base, _ in parts:
+            reason = compare_exact(a, b, part_base)
+            if reason:
+                return reason
+        return None
+    if not torch.is_tensor(ours) or ours.shape != reference.shape:
+        return f"the float32 output is {getattr(ours, 'shape', type(ours))}, ComfyUI's {tuple(reference.shape)}"
+    if not bool(torch.isfinite(reference).all()):
+        return "ComfyUI's float32 output is not finite on the check input: nothing to compare against"
+    exact64, ours64 = reference.double(), ours.double()
+    update = exact64 - base.double() if base is not None and base.shape == reference.shape else exact64
+    items = (lambda t: t.reshape(t.shape[0], -1)) if reference.dim() >= 2 else (lambda t: t.reshape(1, -1))
+    distance = (items(ours64) - items(exact64)).norm(dim=1)
+    scale = items(update).norm(dim=1)
+    allowed = EXACT_RTOL * scale + EXACT_ROUND_OFF * items(exact64).norm(dim=1)
+    failed = ~(distance <= allowed)   # NaN fails
+    if not bool(failed.any()):
+        return None
+    share = torch.where(failed, distance / scale.clamp_min(1e-30), torch.zeros_like(distance))
+    share = torch.nan_to_num(share, nan=float("inf"))
+    item = int(share.argmax())
+    return (f"the outputs differ in float32 (relative difference {float(share[item]):.3g} from the float32 "
+            f"reference, item {item} of {distance.shape[0]}; round-off allows {EXACT_RTOL:g})")
+
+
 def self_check(signature, functions, run_stock: Callable, run_ours: Callable, base=None,
                quantized: bool = False, routed: bool = False,
                run_reference: Optional[Callable] = None,
-               agree: Optional[Callable[[Optional[str]], Optional[str]]] = None) -> Optional[str]:
-    """The cached verdict for `signature`, computing it now if needed: None when `run_ours()` computes what
-    `run_stock()` does (see `compare`, against `run_reference()` where given and it runs), else the reason.
+               agree: Optional[Callable[[Optional[str]], Optional[str]]] = None,
+               run_exact: Optional[Callable] = None) -> Optional[str]:
+    """The cached verdict for `signature`, computing it now if needed: None when the pack's forward computes
+    what ComfyUI's does, else the reason. Four forwards of the check inputs, in this order on every process:
+    `run_stock()` (ComfyUI's, in the module's format), `run_reference()` (ComfyUI's in float32 with dequantized
+    weights: `exact_reference`), `run_exact()` (the pack's, so), `run_ours()` (the pack's in the format).
+    Step 1, the math: `compare_exact(reference, exact)`; step 2, the format's noise: `compare(stock, ours,
+    reference=reference)`. Without a float32 forward (None, or one that raises) the check fails with the reason.
     `functions`: the stock forward functions the verdict is about (their overall record feeds `all_checked`).
     `quantized`: the module has layers that quantize their input; `routed`: it routes tokens to experts (see
     `compare`). `agree(reason)`: the verdict of every process that runs this call together (the ranks of a
@@ -219,9 +248,12 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
         with torch.no_grad(), not_counted():   # the check is not part of the run the report counts
             with _Reference():
                 stock = run_stock()
-            reference = _reference_or_none(run_reference)
+            reference, exact, reason = _float32_forwards(run_reference, run_exact)
             ours = run_ours()
-            reason = compare(stock, ours, base, quantized, routed, reference=reference)
+            if reason is None:
+                reason = compare_exact(reference, exact, base)
+            if reason is None:
+                reason = compare(stock, ours, base, quantized, routed, reference=reference)
     except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, never a crash
         reason = f"the check raised {type(error).__name__}: {error}"
     if agree is not None:
@@ -232,55 +264,37 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
     return reason
 
 
-def _reference_or_none(run_reference: Optional[Callable]):
-    """`run_reference()` under `_Reference` (the pack's forwards inside run ComfyUI's), or None where there is
-    none or it cannot run (a layer that does not compute in float32): the check then judges against ComfyUI's
-    output alone."""
-    if run_reference is None:
-        return None
-    try:
-        with _Reference():
-            return run_reference()
-    except Exception:  # noqa: BLE001 - no reference: `compare` falls back to ComfyUI's output
-        return None
+def _float32_forwards(run_reference: Optional[Callable], run_exact: Optional[Callable]) -> tuple:
+    """(ComfyUI's forward in float32, the pack's in float32, None), or (None, None, why they cannot run). Both
+    with float32 products at full precision (no TF32) and the runtime's notices muted (a backend that takes 16
+    bits only passes float32 calls by: not something the run does). ComfyUI's under `_Reference` (the pack's
+    forwards inside it run ComfyUI's)."""
+    if run_reference is None or run_exact is None:
+        return None, None, "no float32 forward of this module to check the math against"
+    with muted(), _full_float32():
+        try:
+            with _Reference():
+                reference = run_reference()
+        except Exception as error:  # noqa: BLE001 - no reference: the check fails, saying why
+            return None, None, (f"ComfyUI's forward does not run in float32 with dequantized weights "
+                                f"({type(error).__name__}: {error})")
+        return reference, run_exact(), None
 
 
-# Weights of ComfyUI's ops (and of ops built on them: mixed precision, GGUF) are cast to their input's dtype on
-# every call when these flags are set; `comfy_force_cast_weights` also keeps a mixed-precision layer from
-# quantizing its input. ComfyUI sets the first itself for low-VRAM loads.
-_CAST_FLAGS = ("comfy_cast_weights", "comfy_force_cast_weights")
-_CAST_OP = getattr(comfy.ops, "CastWeightBiasOp", None)
+class _full_float32:
+    """float32 matrix products at full precision inside (`torch.set_float32_matmul_precision("highest")`: no
+    TF32, which another node may have turned on), restored after."""
 
+    def __enter__(self):
+        try:
+            self.saved = torch.get_float32_matmul_precision()
+            torch.set_float32_matmul_precision("highest")
+        except Exception:  # noqa: BLE001 - a torch that mixes its precision APIs: left as it is
+            self.saved = None
 
-def _as_float32(value):
-    if torch.is_tensor(value) and value.is_floating_point() and value.dtype != torch.float64:
-        return value.float()
-    return value
-
-
-def exact_reference(module, forward: Callable, inputs: dict):
-    """`forward(**inputs)` (ComfyUI's forward of `module`) nearer the exact math: floating inputs in float32 and
-    every ComfyUI layer under `module` casting its weight to float32 at its call (fp8, int8 and GGUF weights
-    dequantized, no input quantized: the layers' own casts, LoRA weight functions applied). Each layer's flags
-    are restored afterwards, whatever happens. Costs one forward of the check tokens in float32, one layer's
-    float32 weight at a time."""
-    if _CAST_OP is None:
-        raise RuntimeError("this ComfyUI has no CastWeightBiasOp")
-    layers = [layer for layer in module.modules() if isinstance(layer, _CAST_OP)]
-    saved = [(layer, {name: layer.__dict__[name] for name in _CAST_FLAGS if name in layer.__dict__})
-             for layer in layers]
-    try:
-        for layer in layers:
-            for name in _CAST_FLAGS:
-                setattr(layer, name, True)
-        return forward(**{name: _as_float32(value) for name, value in fresh_inputs(inputs).items()})
-    finally:
-        for layer, own in saved:
-            for name in _CAST_FLAGS:
-                if name in own:
-                    setattr(layer, name, own[name])
-                else:
-                    layer.__dict__.pop(name, None)
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            torch.set_float32_matmul_precision(self.saved)
 
 
 SHORT_CALL_NOTICE = "ComfyUI's own forward on short sequences"
@@ -333,10 +347,6 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
                                             reason="QKV: one code object for every block's guard"))
 
 
-def check_tokens(tokens: int) -> int:
-    return min(tokens, CHECK_TOKENS)
-
-
 # --- guarding one module's forward: what every family adapter shares -------------------------------------
 def bind_args(names, args, kwargs) -> Optional[dict]:
     """The call's arguments by name, or None when it passes one the pack's forward does not know."""
@@ -365,11 +375,6 @@ def hooks_refusal(transformer_options, names) -> Optional[str]:
     calls on whole q/k/v (the head split never holds them), else None."""
     inside = sorted(hooks_set(transformer_options).intersection(names))
     return f"another node's {', '.join(inside)} hook needs whole q/k/v" if inside else None
-
-
-def fresh_inputs(inputs: dict) -> dict:
-    """The check inputs again, tensors copied (a forward may hand off or write its inputs)."""
-    return {name: value.clone() if torch.is_tensor(value) else value for name, value in inputs.items()}
 
 
 def guard_module(what: str, module, names, ours_factory, config, *, functions: Callable, signature: Callable,
@@ -427,12 +432,14 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
                           lambda: checked(**fresh_inputs(inputs)), base=base,
                           quantized=bool(quantized and quantized()), routed=routed,
                           run_reference=lambda: exact_reference(module, stock, inputs),
-                          agree=agree(bound) if agree is not None else None)
+                          agree=agree(bound) if agree is not None else None,
+                          run_exact=lambda: exact_reference(module, checked, inputs))
 
     return guarded(what, stock, ours, refuse, check)
 
 
-__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "exact_reference", "probe_options",
+__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "compare_exact", "exact_reference",
+           "probe_options", "check_items", "uniform_case", "CHECK_ITEMS",
            "mark_ours", "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked",
            "check_tokens", "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature",
            "module_tree", "ModuleTree", "fresh_inputs", "hooks_set", "hooks_refusal"]

@@ -6,6 +6,7 @@ ComfyUI nodes show them on the node) and forgets them.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -14,10 +15,14 @@ logger = logging.getLogger("qkv_core")
 _lock = threading.Lock()
 _seen: set[str] = set()
 _pending: list[str] = []
+_muted = threading.local()   # `count` > 0 inside `muted()` on this thread
 
 
 def notice_once(key: str, message: str) -> bool:
-    """Log `message` at INFO the first time `key` is seen; returns True when it was logged now."""
+    """Log `message` at INFO the first time `key` is seen; returns True when it was logged now. Inside `muted()`
+    nothing is logged nor kept (and the key is not marked seen)."""
+    if getattr(_muted, "count", 0):
+        return False
     with _lock:
         if key in _seen:
             return False
@@ -47,3 +52,14 @@ def reset_notices() -> None:
     with _lock:
         _seen.clear()
         _pending.clear()
+
+
+@contextlib.contextmanager
+def muted():
+    """Notices on this thread are dropped inside (a caller's own checks, run in another dtype than the run they
+    guard: what they pass over is not something the run did)."""
+    _muted.count = getattr(_muted, "count", 0) + 1
+    try:
+        yield
+    finally:
+        _muted.count -= 1

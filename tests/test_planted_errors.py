@@ -197,3 +197,63 @@ def test_table(env, models, monkeypatch):
     assert all(table["nothing", fmt, context] == "kept" for fmt, context in columns)
     assert all(table[planted, fmt, context] == "fallback" for planted in PLANTS[1:] for fmt, context in columns)
 
+
+
+def test_a_zeroed_context_alone_is_a_case_of_its_own(env, models, monkeypatch):
+    """A call with only the zeroed negative (ComfyUI runs cond and uncond apart when memory is short) cannot show
+    the wrong-token queries (every text key the same: uniform attention) and keeps the block; its verdict is not
+    reused for a call whose context is not zeroed (`compat.uniform_case`, in the signature: the zeroed text reaches
+    the block as one embedded row repeated), which is checked and falls back."""
+    patcher = models("bf16")
+    plant(monkeypatch, env.wan, "wrong-token-queries")
+    patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+    inputs = batch_inputs(patcher, "item-0-zeroed")
+    alone = {name: value[:1] if name in ("x", "timestep", "context") else value for name, value in inputs.items()}
+    comfy_env.model_forward(patcher, alone, applied=patched)
+    assert comfy_env.stock_fallbacks(env) == []
+    alone["context"] = inputs["context"][1:]
+    comfy_env.model_forward(patcher, alone, applied=patched)
+    fallbacks = comfy_env.stock_fallbacks(env)
+    assert len(fallbacks) == 1 and fallbacks[0].startswith("[QKV] Wan block runs as ComfyUI's own: the outputs "
+                                                           "differ in float32"), fallbacks
+
+
+def test_a_float32_forward_that_cannot_run_is_a_fallback_with_its_reason(env, models, monkeypatch):
+    """ComfyUI's forward that does not run in float32 with dequantized weights: the block falls back and says why
+    (no looser rule without the reference)."""
+    patcher = models("fp8_scaled")
+    exact_reference = env.compat.exact_reference
+
+    def no_float32(module, forward, inputs):
+        if getattr(forward, "__self__", None) is module:   # ComfyUI's own (bound) forward
+            raise RuntimeError("a layer that computes in 16 bits only")
+        return exact_reference(module, forward, inputs)
+    monkeypatch.setattr(env.compat, "exact_reference", no_float32)
+    patched, _ = env.node.apply_patch(patcher, "High", "sdpa", True)
+    comfy_env.model_forward(patcher, batch_inputs(patcher, "item-0-random"), applied=patched)
+    fallbacks = comfy_env.stock_fallbacks(env)
+    assert fallbacks and all("does not run in float32 with dequantized weights (RuntimeError: a layer that "
+                             "computes in 16 bits only)" in line for line in fallbacks), fallbacks
+    assert any(line.startswith("[QKV] Wan block runs as ComfyUI's own: ") for line in fallbacks)
+
+
+def test_the_check_takes_every_distinct_conditioning(env):
+    """`compat.check_items`: one item per distinct context, in batch order, at most `CHECK_ITEMS` (those whose
+    tokens differ most kept: a zeroed negative is the first left out); `uniform_case` tells an item whose tokens are
+    all alike (zeroed, or one row repeated) apart, once per tensor and version."""
+    torch, compat = env.torch, env.compat
+    g = torch.Generator().manual_seed(0)
+    cond, uncond = torch.randn(1, 16, 32, generator=g), torch.zeros(1, 16, 32)
+    assert compat.check_items(torch.cat([uncond, cond]), 2) == [0, 1]
+    assert compat.check_items(torch.cat([cond, cond, uncond, uncond]), 4) == [0, 2]
+    assert compat.check_items(None, 3) == [0, 1, 2]
+    many = torch.cat([uncond] + [torch.randn(1, 16, 32, generator=g) for _ in range(compat.CHECK_ITEMS)])
+    assert compat.check_items(many, many.shape[0]) == list(range(1, compat.CHECK_ITEMS + 1))
+    assert compat.uniform_case(torch.cat([uncond, cond])) == (True, True)
+    assert compat.uniform_case(cond) == (False, True) and compat.uniform_case(uncond) == (True, False)
+    assert compat.uniform_case(cond[:, :1].expand(1, 16, 32) + 0.5) == (True, False)   # one row repeated
+    context = cond.clone()
+    assert compat.uniform_case(context) == (False, True)
+    context.zero_()   # written in place: asked again
+    assert compat.uniform_case(context) == (True, False)
+    assert compat.uniform_case(None) is None

@@ -359,26 +359,38 @@ def _extra(bound: dict) -> tuple:
     x = bound["c"] if "c" in bound else bound["x"]
     e, img_len = bound.get("e"), bound.get("context_img_len")
     e_layout = None if e is None else (e.ndim, e.shape[1] == 1, e.shape[1] == x.shape[1])
-    return (e_layout, img_len is None, bound.get("freqs") is None)
+    # a zeroed text context (ConditioningZeroOut's negative: one embedded row repeated) is a case of its own:
+    # attention over identical keys cannot show its queries' errors, so a call of only such items is checked apart
+    # from one with others (`compat.uniform_case`)
+    text = bound.get("context")
+    if torch.is_tensor(text) and img_len and text.dim() == 3 and text.shape[1] > img_len:
+        text = text[:, img_len:]
+    return (e_layout, img_len is None, bound.get("freqs") is None, compat.uniform_case(text))
 
 
 def _check_inputs(bound: dict) -> dict:
-    """The first `compat.CHECK_TOKENS` tokens of one batch item of the call's inputs (fresh tensors), with
-    probes for the patch hooks in its transformer_options. (Wan's own: one item, the others' all of them.)"""
+    """The first `compat.CHECK_TOKENS` tokens of the call's inputs for each distinct conditioning of the batch
+    (`compat.check_items` on the context: cond and a zeroed uncond both, never only the zeroed one; the first items
+    for the self-attention, whose call has no context), fresh tensors, with probes for the patch hooks in its
+    transformer_options."""
     x = bound["c"] if "c" in bound else bound["x"]
     batch, tokens = x.shape[0], x.shape[1]
     n = compat.check_tokens(tokens)
+    items = compat.check_items(bound.get("context"), batch)
+    index = torch.tensor(items, device=x.device)
+
+    def take(value):
+        return value.index_select(0, index) if value.shape[0] == batch else value
     out = {}
     for name, value in bound.items():
         if name == "transformer_options":
             out[name] = compat.probe_options(value or {})
         elif not torch.is_tensor(value) or value.dim() < 2 or name == "context":
-            out[name] = value[:1].clone() if torch.is_tensor(value) and value.dim() >= 1 and \
-                value.shape[0] == batch else value
+            out[name] = take(value).clone() if torch.is_tensor(value) and value.dim() >= 1 else value
         elif name == "e" and value.dim() == 4 and value.shape[1] not in (1, tokens):
-            out[name] = value[:1, :1].clone()   # per frame: one frame's modulation for every check token
+            out[name] = take(value)[:, :1].clone()   # per frame: one frame's modulation for every check token
         else:
-            first = value[:1] if value.shape[0] == batch else value
+            first = take(value)
             out[name] = first[:, :n].clone() if first.shape[1] == tokens else first.clone()
     return out
 
