@@ -99,8 +99,8 @@ def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
     ----------
     kv_list : list
         ``[key, value]``, float ``(batch, tokens, kv_heads, head_dim)`` of one shape, already normalized and
-        rotated; ``head_dim`` a multiple of 32 for q8. The list is cleared and the 16-bit tensors dropped once
-        quantized, so only the quantized form stays.
+        rotated; ``head_dim`` a multiple of 32 for q8. Once they are checked the list is cleared (a refused call
+        leaves it as it was) and the 16-bit tensors are dropped once quantized, so only the quantized form stays.
     native : bool
         Keep the staged core's own layout when `kit` is one; without one (any machine without SageAttention
         2) the prefix is kept as q8, said once.
@@ -126,9 +126,15 @@ def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
         shapes = [tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in (key, value)]
         raise ValueError(f"cache_prefix takes a key and a value of one shape, (batch, tokens, kv_heads, head_dim), "
                          f"got {shapes}")
+    from .validation import validate_cache_prefix   # here: validation imports this module
+    in_core = native and kit is not None and hasattr(kit, "cache_native_prefix")
+    validate_cache_prefix(key, value, q8=not in_core)   # before the list is cleared: a refusal leaves it
+    if in_core:
+        del key, value
+        prefix = kit.cache_native_prefix(kv_list)   # its own checks, then it clears the list
+        kv_list.clear()   # (a kit that does not: the list is cleared all the same)
+        return prefix
     kv_list.clear()
-    if native and kit is not None and hasattr(kit, "cache_native_prefix"):
-        return kit.cache_native_prefix([key, value])
     if native:
         notice_once("prefix:native-q8", "[Attention] no staged SageAttention core here: prefixes are cached as q8")
     kq, ks = quantize_q8(key)

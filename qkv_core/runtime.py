@@ -38,9 +38,9 @@ from .prefix_join import prefix_tokens, resolve_prefix
 from .input_reuse import reuse_reason, run_in_input
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
-from .validation import (refuse_autograd, require_projections, take_activation, unpack_stream, validate_call,
-                         validate_extras, validate_kv_first, validate_mask, validate_native_prefix_core,
-                         validate_prefix)
+from .validation import (hand_off, peek_activation, refuse_autograd, require_projections, unpack_stream,
+                         validate_call, validate_extras, validate_kv_first, validate_mask,
+                         validate_native_prefix_core, validate_prefix)
 
 ROWS_CHUNK_ELEMENTS = 1 << 23
 ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
@@ -100,9 +100,10 @@ def rows_(tensor: torch.Tensor, fn: Callable, start: int = 0, stop: Optional[int
 
 
 class _Call:
-    """One call, from the hand-off to the return: checks its arguments (validation.py), chooses the backend,
-    plans the head groups (its `head_split.SplitPolicy`, the one place that decides their count), runs the statistics
-    pass when a norm spans heads (statistics.py) and the group loop (group_loop.py). Whatever happens, every
+    """One call, from the hand-off to the return. Made from the inputs still in the caller's lists, it checks
+    every argument (validation.py) and chooses the backend; the entry point clears the lists only then. `run`
+    plans the head groups (its `head_split.SplitPolicy`, the one place that decides their count), runs the
+    statistics pass when a norm spans heads (statistics.py) and the group loop (group_loop.py). Whatever happens, every
     projection and input is released and the kept keys are dropped before it returns: nothing is kept."""
 
     def __init__(self, q_streams: list[TokenStream], kv_streams: list[TokenStream], heads: int, head_dim: int,
@@ -114,10 +115,14 @@ class _Call:
         self.backend: Optional[AttentionBackend] = None   # chosen by `staged_core()` (None with attention_fn)
         self._staged: Optional[StagedCore] = None
         self._backend_chosen = False
-        validate_call(o, self.streams)
+        validate_call(o, self.streams, norm_rope)
         o.kv_prefix = resolve_prefix(o.kv_prefix)
-        validate_prefix(o, self.streams.kv_heads, head_dim, self.streams.batch)
-        validate_mask(o.attention_mask, self.staged_core)
+        s = self.streams
+        validate_prefix(o, s.kv_heads, head_dim, s.batch)
+        mask_shape = None if o.attention_fn is not None else \
+            (s.batch, s.heads, s.q_tokens, prefix_tokens(o.kv_prefix) + s.kv_tokens)
+        validate_mask(o.attention_mask, self.staged_core, mask_shape, s.dtype, s.device)
+        validate_native_prefix_core(o.kv_prefix, self.staged_core())   # chooses the backend (run asks it again)
 
     def staged_core(self) -> Optional[StagedCore]:
         """The chosen backend's staged core, or None (a plain backend, or an `attention_fn`). Chooses the backend
@@ -188,7 +193,6 @@ class _Call:
         elif o.attention_fn is not None and not getattr(o.attention_fn, "counts_itself", False):
             count_attention("the caller's attention function", len(groups))
         try:
-            validate_native_prefix_core(o.kv_prefix, staged)
             given_up = s.q_streams[0].x if o.reuse_input else None   # before `prepare` drops the stream's own
             s.prepare(len(groups))
             if given_up is not None:
@@ -271,8 +275,9 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     ----------
     x_list : list
         ``[x]``, `x` ``(batch, tokens, features)`` or ``(tokens, features)`` (batch 1), float16, bfloat16 or
-        float32. The call clears the list and then holds the only reference it needs: it frees `x` as soon as
-        the projections no longer need it, so the caller keeps no other reference if it wants that memory back.
+        float32. Once every argument is checked the call clears the list (a refused call leaves it as it was)
+        and then holds the only reference it needs: it frees `x` as soon as the projections no longer need it,
+        so the caller keeps no other reference if it wants that memory back.
     q_proj, k_proj, v_proj : torch.nn.Linear, RowProjection or callable
         The projections (docs/design.md §2.1): q gives ``heads * head_dim`` features, k and v
         ``kv_heads * head_dim``. A callable that is neither runs whole once and is sliced.
@@ -297,19 +302,26 @@ def qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: int, nor
     TypeError
         An unknown option.
     ValueError
-        Before any work: `x_list` is not a one-element list of a 2-D or 3-D tensor, a projection is None or
-        of the wrong width, a bad combination of options (the message names the fix), or, with grad mode on,
-        an input, a weight, a prefix or a mask that requires grad (inference only).
+        Before any work and before `x_list` is cleared (the message names the argument and the fix): `x_list`
+        is not a one-element list of a floating-point 2-D or 3-D tensor, `heads`, `head_dim` or `kv_heads` is
+        not a positive int, a projection is None, not callable or of the wrong width, `x`'s features are not a
+        Linear's ``in_features``, a plain ``torch.nn.Linear`` of another dtype or device than `x`, a hook that is
+        not callable, an option of the wrong type or value or a bad combination of options, a `kv_prefix` of
+        the wrong shape, an `attention_mask` that is not boolean or float, on another device, or does not
+        broadcast to ``(batch, heads, tokens, prefix + kv tokens)``, or, with grad mode on, an input, a weight, a
+        prefix or a mask that requires grad (inference only).
     """
     if torch.is_grad_enabled():
         refuse_autograd("qkv_attention", [("x", x_list), ("the q projection", q_proj), ("the k projection", k_proj),
                                           ("the v projection", v_proj), ("the extra projection", extra_proj),
                                           ("norm_rope", norm_rope), *_option_parts(options)])
     require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
-    x = take_activation(x_list, "x_list")
+    x = peek_activation(x_list, "x_list")
     source = TokenStream(x, q=q_proj, k=k_proj, v=v_proj, extra=extra_proj)
     del x
-    return _Call([source], [source], heads, head_dim, norm_rope, options).run()
+    call = _Call([source], [source], heads, head_dim, norm_rope, options)   # every check, the list untouched
+    hand_off(x_list)
+    return call.run()
 
 
 @torch.compiler.disable
@@ -342,21 +354,24 @@ def joint_qkv_attention(streams, heads: int, head_dim: int, norm_rope=None, **op
     TypeError
         An unknown option.
     ValueError
-        No stream, a stream of another form, streams of different batch sizes or dtypes, and everything
-        `qkv_attention` refuses.
+        No stream, a stream of another form, streams of different batch sizes, dtypes or devices, and
+        everything `qkv_attention` refuses; before any list is cleared.
     """
     if not streams:
         raise ValueError("joint_qkv_attention needs at least one stream")
     if torch.is_grad_enabled():
         refuse_autograd("joint_qkv_attention", [*_stream_parts(streams), ("norm_rope", norm_rope),
                                                 *_option_parts(options)])
-    sources = []
+    sources, x_lists = [], []
     for number, stream in enumerate(streams):
         x_list, (q_proj, k_proj, v_proj, extra_proj) = unpack_stream(number, stream)
-        sources.append(TokenStream(take_activation(x_list, f"stream {number} x_list"), q=q_proj, k=k_proj,
-                                   v=v_proj, extra=extra_proj))
+        sources.append(TokenStream(peek_activation(x_list, f"stream {number} x_list"), f"stream {number} x",
+                                   q=q_proj, k=k_proj, v=v_proj, extra=extra_proj))
+        x_lists.append(x_list)
     validate_extras(sources)
-    return _Call(sources, sources, heads, head_dim, norm_rope, options).run()
+    call = _Call(sources, sources, heads, head_dim, norm_rope, options)   # every check, the lists untouched
+    hand_off(*x_lists)
+    return call.run()
 
 
 @torch.compiler.disable
@@ -368,8 +383,8 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
     ----------
     x_list, context_list : list
         ``[x]``, ``[context]``: `x` ``(batch, tokens, features)``, `context` ``(batch or 1, context tokens,
-        context features)`` in `x`'s dtype (a batch of 1 serves every item). Both lists are cleared and each
-        input is freed once projected (as in `qkv_attention`).
+        context features)`` in `x`'s dtype (a batch of 1 serves every item). Once every argument is checked both
+        lists are cleared and each input is freed once projected (as in `qkv_attention`).
     q_proj : torch.nn.Linear, RowProjection or callable
         Projects `x` to ``heads * head_dim`` features.
     k_proj, v_proj : torch.nn.Linear, RowProjection or callable
@@ -391,7 +406,7 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
     TypeError
         An unknown option.
     ValueError
-        As `qkv_attention`.
+        As `qkv_attention` (for `x` and `context` each), before either list is cleared.
     """
     if torch.is_grad_enabled():
         refuse_autograd("cross_qkv_attention", [("x", x_list), ("context", context_list),
@@ -399,14 +414,16 @@ def cross_qkv_attention(x_list, context_list, q_proj, k_proj, v_proj, heads: int
                                                 ("the v projection", v_proj), ("norm_rope", norm_rope),
                                                 *_option_parts(options)])
     require_projections(q_proj=q_proj, k_proj=k_proj, v_proj=v_proj)
-    x = take_activation(x_list, "x_list")
-    context = take_activation(context_list, "context_list")
+    x = peek_activation(x_list, "x_list")
+    context = peek_activation(context_list, "context_list")
     if context.shape[0] != x.shape[0] and context.shape[0] == 1:
         context = context.expand(x.shape[0], -1, -1)
     q_source = TokenStream(x, q=q_proj)
-    kv_source = TokenStream(context, k=k_proj, v=v_proj)
+    kv_source = TokenStream(context, "context", k=k_proj, v=v_proj)
     del x, context
-    return _Call([q_source], [kv_source], heads, head_dim, norm_rope, options).run()
+    call = _Call([q_source], [kv_source], heads, head_dim, norm_rope, options)   # every check, the lists untouched
+    hand_off(x_list, context_list)
+    return call.run()
 
 
 @torch.compiler.disable
@@ -420,7 +437,8 @@ def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch
     ----------
     qkv_list : list
         ``[q, k, v]``: q ``(batch, q tokens, heads, head_dim)``, k and v ``(batch, kv tokens, kv heads,
-        head_dim)``, 16-bit or float32. The call clears the list and frees each tensor once it is used.
+        head_dim)``, 16-bit or float32, one dtype and device. Once they are checked the call clears the list
+        (a refused call leaves it as it was) and frees each tensor once it is used.
     force_attention : str, optional
         A backend name (`backend_names`) instead of the automatic choice.
 
@@ -432,15 +450,16 @@ def kv_first_attention(qkv_list, force_attention: Optional[str] = None) -> torch
     Raises
     ------
     ValueError
-        `qkv_list` is not a three-element list of 4-D tensors of matching shapes, an unknown backend name, or,
-        with grad mode on, a tensor that requires grad.
+        Before the list is cleared: `qkv_list` is not a three-element list of floating-point 4-D tensors of
+        matching shapes, one dtype and one device, an unknown backend name, or, with grad mode on, a tensor
+        that requires grad.
     """
     if torch.is_grad_enabled():
         parts = zip("qkv", qkv_list) if isinstance(qkv_list, list) and len(qkv_list) == 3 else [("qkv_list", qkv_list)]
         refuse_autograd("kv_first_attention", list(parts))
-    validate_kv_first(qkv_list)
+    validate_kv_first(qkv_list, force_attention)
     q, k, v = qkv_list
-    qkv_list.clear()
+    hand_off(qkv_list)
     backend = resolve_backend(q, k, v, None, None, force_attention)
     core = backend.staged_core
     count_attention(backend.name if core is None else f"{backend.name} (staged)")

@@ -277,11 +277,11 @@ class Sage2Core(StagedCore):
         """A prefix `[key, value]` `(batch, tokens, kv_heads, head_dim)` 16-bit (the list is cleared) in the sm90
         kernel's layouts: keys smoothed by their own mean (kept as `k_mean`), int8 per thread; values fp8."""
         key, value = kv_list
-        kv_list.clear()
         if not is_sm90(key.device) or key.dtype not in (torch.float16, torch.bfloat16) or \
-                key.shape[-1] not in (64, 128):
+                key.shape[-1] not in (64, 128):   # checked before the list is cleared: a refusal leaves it
             raise ValueError("a native SageAttention 2 prefix needs an sm90 GPU, fp16/bf16 and head dim 64 or "
                              "128: cache it with native=False (q8)")
+        kv_list.clear()
         mean = key.mean(dim=1, keepdim=True)
         k, k_scale = quantize_per_thread(key - mean, "k")
         del key

@@ -27,6 +27,7 @@ the attention that reads them is done. The result belongs to the caller. Nothing
 """
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -38,7 +39,9 @@ from .head_split import HeadGroup, SplitPolicy, head_groups
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
 from .tally import count_split
-from .validation import refuse_autograd, require_projections, take_activation
+from .validation import (hand_off, peek_activation, refuse_autograd, require_projections, validate_backend_name,
+                         validate_callables, validate_heads, validate_inputs, validate_layer_input,
+                         validate_softmax_scale, validate_split_options, validate_switches, validate_widths)
 
 __all__ = ["ulysses_qkv_attention", "process_group_of", "exchange_group_count", "valid_group_counts"]
 
@@ -85,22 +88,26 @@ def exchange_group_count(heads: int, world: int, tokens: int, level=None, floor:
 
 
 def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, groups: Optional[int],
-           o_proj, o_columns: bool, force_attention: Optional[str], softmax_scale, group_scale=None) -> None:
-    """`ValueError`s naming the fix, before any work or communication."""
-    if group_scale is not None and (isinstance(group_scale, bool) or not isinstance(group_scale, (int, float))
-                                    or not group_scale > 0):
-        raise ValueError(f"head_split_group_scale multiplies the level's head groups, a number > 0, not "
-                         f"{group_scale!r}; leave it out for the default")
+           o_proj, o_columns: bool, force_attention: Optional[str], softmax_scale, group_scale=None, level=None,
+           floor=None, split_heads=None, norm_spans_heads=False, norm_rope=None) -> None:
+    """`ValueError`s naming the fix, before any work or communication (the shared ones: `validation`)."""
+    validate_heads(heads, head_dim, kv_heads)
+    validate_split_options(level, floor, group_scale)
+    validate_switches(split_heads=split_heads, norm_spans_heads=norm_spans_heads, o_columns=o_columns)
+    validate_callables(norm_rope=norm_rope)
+    validate_softmax_scale(softmax_scale)
+    validate_backend_name(force_attention)
     if kv_heads is not None and kv_heads != heads:
         raise ValueError(f"the grouped exchange takes as many key/value heads as query heads (got {kv_heads} and "
                          f"{heads}): repeat the key/value heads in the projection, or call qkv_attention per rank")
-    if heads <= 0 or head_dim <= 0:
-        raise ValueError(f"heads ({heads}) and head_dim ({head_dim}) must be positive")
     if heads % world:
         raise ValueError(f"{heads} heads do not split over a sequence-parallel world of {world} ranks: use a world "
                          f"size (ulysses_degree) that divides {heads}")
     if groups is not None:
         valid = valid_group_counts(heads, world)
+        if not _is_count(groups):
+            raise ValueError(f"groups is a count of head groups, an int, not {groups!r}: use one of {valid} (or "
+                             f"head_split_level)")
         if groups not in valid:
             raise ValueError(f"{groups} head groups of {heads} heads over {world} ranks: a group's heads "
                              f"({heads}/{groups}) must be a multiple of the world size; use one of {valid} "
@@ -115,6 +122,10 @@ def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, group
                          "heads * head_dim)), or None to get the attention itself")
     if softmax_scale is not None and force_attention != "sdpa":
         raise ValueError("softmax_scale is only taken with force_attention='sdpa'")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _send_views(buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -153,9 +164,10 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     Parameters
     ----------
     x_list : list
-        `[x]`, `x` `(batch, n, features)` or `(n, features)`: this rank's `n` tokens (rank r holds tokens
-        `[r * n, (r + 1) * n)` of the sequence; every rank the same `n`). The list is cleared; the call releases
-        `x` after the last group's projections.
+        `[x]`, `x` `(batch, n, features)` or `(n, features)`, floating point: this rank's `n` tokens (rank r
+        holds tokens `[r * n, (r + 1) * n)` of the sequence; every rank the same `n`). Once every argument is
+        checked the list is cleared (a refused call leaves it as it was); the call releases `x` after the last
+        group's projections.
     q_proj, k_proj, v_proj : torch.nn.Linear, RowProjection or callable
         Each `features -> heads * head_dim`; Linears and `RowProjection`s are computed by the rows of a group's
         heads, any other callable runs whole once and is sliced.
@@ -197,9 +209,15 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     Raises
     ------
     ValueError
-        Before any work or communication: heads not divisible by the world size, a group count whose groups
-        do not split over the ranks, a group scale that is not a number > 0, grouped-query heads, an xFuser
-        group with a ring degree, an `o_proj` that `o_columns` cannot slice, inputs requiring grad in grad mode.
+        Before any work or communication, and before `x_list` is cleared (the message names the argument and
+        the fix): heads or head_dim not a positive int, heads not divisible by the world size, a group count
+        that is not an int or whose groups do not split over the ranks, a level, split floor or group scale of
+        the wrong type or value, grouped-query heads, an xFuser group with a ring degree, `x` not a
+        floating-point 2-D or 3-D tensor with tokens, `x`'s features not the projections' ``in_features``, a
+        plain ``torch.nn.Linear`` (q, k, v or o) of another dtype or device than `x`, an `o_proj` that
+        `o_columns` cannot slice or whose ``in_features`` are not ``heads * head_dim``, an unknown backend, a
+        `softmax_scale` that is not a number, a `norm_rope` that is not callable, inputs requiring grad in grad
+        mode.
     """
     if torch.is_grad_enabled():
         refuse_autograd("ulysses_qkv_attention", [("x", x_list), ("the q projection", q_proj),
@@ -210,13 +228,18 @@ def ulysses_qkv_attention(x_list, q_proj, k_proj, v_proj, heads: int, head_dim: 
     world = dist.get_world_size(pg)
     rank = dist.get_rank(pg)
     _check(heads, head_dim, kv_heads, world, groups, o_proj, o_columns, force_attention, softmax_scale,
-           head_split_group_scale)
-    x = take_activation(x_list, "x_list")
+           head_split_group_scale, head_split_level, split_floor_tokens, split_heads, norm_spans_heads, norm_rope)
+    x = peek_activation(x_list, "x_list")
     if x.shape[-1] == 0 or x.shape[1] == 0:
         raise ValueError(f"x: expected tokens and features, got {tuple(x.shape)}")
     source = TokenStream(x, q=q_proj, k=k_proj, v=v_proj)
-    del x
     streams = CallStreams([source], [source], heads, heads, head_dim)
+    validate_widths(streams)
+    validate_inputs(streams)
+    if o_proj is not None and not o_columns:   # applied to the attention, (batch, n, heads * head_dim)
+        validate_layer_input("the attention", x, "o", o_proj, heads * head_dim)
+    del x
+    hand_off(x_list)   # every check done: the call holds the only reference from here
     batch, n, d = streams.batch, streams.q_tokens, head_dim
     total = world * n
     if groups is None:

@@ -28,10 +28,10 @@ SHORT_STREAM_SHARE = 1 / 64
 
 class TokenStream:
     """One token stream: its input `x` `(batch, tokens, features)` and the projections that read it (q, k, v,
-    extra: any may be None)."""
+    extra: any may be None); `name` is what error messages call the input ("x", "context", "stream 1 x")."""
 
-    def __init__(self, x: torch.Tensor, **projections):
-        self.x = x
+    def __init__(self, x: torch.Tensor, name: str = "x", **projections):
+        self.x, self.name = x, name
         self.raw = {name: p for name, p in projections.items() if p is not None}
         # one module for k and v: projected once (the value gets a copy), so it is prepared once
         self.shared_kv = "k" in self.raw and self.raw.get("v") is self.raw["k"]
