@@ -5,9 +5,10 @@ A row (family, weight format, conditioning) runs the family's tiny model (tests/
 Wan I2V from their adapter tests' helpers), rebuilt in that format the way ComfyUI's loaders build it
 (tests/formats.py), once as ComfyUI runs it and once patched (High, block bounds, SDPA) on the same inputs: cond
 and uncond in one batch of two (HunyuanVideo: one item, its forward takes one text mask for the batch) with the
-odd conditioning in the FIRST item, the one the self-check takes. It asserts:
+odd conditioning in the FIRST item (the one the self-check took alone before it took every distinct
+conditioning). It asserts:
   * no "runs as ComfyUI's own" fallback: every self-check passed (verdicts are forgotten before each row, so each
-    row's own first item is checked);
+    row's own conditionings are checked);
   * the head split ran: the longest self-attention calls (the real run's; the checks take at most 256 image
     tokens) attend one head group;
   * the output is as close to the float32 reference as ComfyUI's own: the same model in float32 with its weights
@@ -387,7 +388,7 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
     row = (family, fmt.name, cond)
     inputs = _on(formats.as_compute(spec.inputs(torch, cond, patcher.model, size=size), fmt.compute), device)
     float_inputs = formats.as_compute(inputs, torch.float32)
-    env.compat.forget_verdicts()   # each row's own first item is self-checked
+    env.compat.forget_verdicts()   # each row's own conditionings are self-checked
     with _floor(env, family, floor):
         if expect is not None:
             stock = expect(lambda: comfy_env.model_forward(patcher, inputs))
