@@ -231,7 +231,8 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
                quantized: bool = False, routed: bool = False,
                run_reference: Optional[Callable] = None,
                agree: Optional[Callable[[Optional[str]], Optional[str]]] = None,
-               run_exact: Optional[Callable] = None) -> Optional[str]:
+               run_exact: Optional[Callable] = None, recheck: bool = False,
+               run_ready: Optional[Callable] = None) -> Optional[str]:
     """The cached verdict for `signature`, computing it now if needed: None when the pack's forward computes
     what ComfyUI's does, else the reason. Four forwards of the check inputs, in this order on every process:
     `run_stock()` (ComfyUI's, in the module's format), `run_reference()` (ComfyUI's in float32 with dequantized
@@ -241,14 +242,25 @@ def self_check(signature, functions, run_stock: Callable, run_ours: Callable, ba
     `functions`: the stock forward functions the verdict is about (their overall record feeds `all_checked`).
     `quantized`: the module has layers that quantize their input; `routed`: it routes tokens to experts (see
     `compare`). `agree(reason)`: the verdict of every process that runs this call together (the ranks of a
-    sequence-parallel group: `sequence_parallel.agreement`), so that all take the same forward."""
-    if signature in _verdicts:
+    sequence-parallel group: `sequence_parallel.agreement`), so that all take the same forward; where it has
+    `any(flag)`, first `run_ready()` (the float32 forwards' preparation, no forward) and whether it raised on any
+    rank: then no rank runs them (each rank's exchanges stay the others'). `recheck`: run it even if cached."""
+    if signature in _verdicts and not recheck:
         return _verdicts[signature]
+    unready = None
+    if agree is not None and hasattr(agree, "any") and run_ready is not None:
+        try:
+            run_ready()
+        except Exception as error:  # noqa: BLE001 - agreed below: no rank runs the float32 forwards
+            unready = _no_float32(error)
+        if agree.any(unready is not None)[0]:
+            unready = unready or "ComfyUI's float32 forward cannot run on another rank of the sequence-parallel group"
     try:
         with torch.no_grad(), not_counted():   # the check is not part of the run the report counts
             with _Reference():
                 stock = run_stock()
-            reference, exact, reason = _float32_forwards(run_reference, run_exact)
+            reference, exact, reason = _float32_forwards(run_reference, run_exact) if unready is None \
+                else (None, None, unready)
             ours = run_ours()
             if reason is None:
                 reason = compare_exact(reference, exact, base)
@@ -276,8 +288,7 @@ def _float32_forwards(run_reference: Optional[Callable], run_exact: Optional[Cal
             with _Reference():
                 reference = run_reference()
         except Exception as error:  # noqa: BLE001 - no reference: the check fails, saying why
-            reference, reason = None, (f"ComfyUI's forward does not run in float32 with dequantized weights "
-                                       f"({type(error).__name__}: {error})")
+            reference, reason = None, _no_float32(error)
         else:
             return reference, run_exact(), None
         try:   # run anyway: the ranks of a sequence-parallel group make the same exchanges in the same order
@@ -285,6 +296,10 @@ def _float32_forwards(run_reference: Optional[Callable], run_exact: Optional[Cal
         except Exception:  # noqa: BLE001 - the reason is the reference's
             pass
         return None, None, reason
+
+
+def _no_float32(error: Exception) -> str:
+    return f"ComfyUI's forward does not run in float32 with dequantized weights ({type(error).__name__}: {error})"
 
 
 class _full_float32:
@@ -304,6 +319,7 @@ class _full_float32:
 
 
 SHORT_CALL_NOTICE = "ComfyUI's own forward on short sequences"
+OTHER_RANK_RUNS_STOCK = "another rank of the sequence-parallel group runs ComfyUI's own"
 
 
 class ShortCall(str):
@@ -311,7 +327,8 @@ class ShortCall(str):
     the split floor runs ComfyUI's there (the log says so in other words than for a fallback)."""
 
 
-def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check: Callable) -> Callable:
+def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check: Callable,
+            agree: Optional[Callable] = None) -> Callable:
     """The forward the pack installs: `ours(*args, **kwargs)`, or `stock(...)` when `refuse(args, kwargs)`
     gives a reason or `check(args, kwargs)` (the cached self-check) does. Each reason is logged once a run
     (`what` says which module).
@@ -321,7 +338,11 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
     casts); the pack's forward runs eagerly as a whole (its transients are freed in an order of its own, which
     a compiled graph's scheduling does not keep: docs/design.md §3.8); ComfyUI's forward, where it runs,
     compiles as it would without the pack. The installed function itself is skipped by dynamo but not what it
-    calls: every block shares its code object, which would otherwise be compiled once per block."""
+    calls: every block shares its code object, which would otherwise be compiled once per block.
+
+    `agree(args, kwargs, reason)`: for a call several processes run together (a sequence-parallel group), the
+    group's (reason, recheck) from this rank's refusal, before the check can exchange anything: a refusal on any
+    rank is every rank's, and a verdict missing on any rank is checked again on all (`check(..., recheck=True)`)."""
 
     def decide(args, kwargs) -> Optional[str]:
         reason = None
@@ -331,8 +352,11 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
         try:
             if reason is None:
                 reason = refuse(args, kwargs)
+            recheck = False
+            if agree is not None:
+                reason, recheck = agree(args, kwargs, reason)
             if reason is None:
-                reason = check(args, kwargs)
+                reason = check(args, kwargs, recheck=True) if recheck else check(args, kwargs)
         finally:
             _local.trees = outer
         if isinstance(reason, ShortCall):
@@ -398,8 +422,10 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     `quantized()`: whether the module quantizes its inputs now (a looser tolerance);
     `refuse_more(module)`: a reason to run stock for a module state the check cannot see; `refuse_call(bound)`:
     one for a call's arguments (e.g. another node's hook the pack's forward cannot run between its groups);
-    `routed`: the module routes tokens to experts (see `compare`); `agree(bound)`: None, or how the verdict of a
-    call run by several processes together is made theirs (`self_check`'s `agree`). A call whose sequences are
+    `routed`: the module routes tokens to experts (see `compare`); `agree(bound)` (`bound` None for unknown
+    arguments): None, or how a call run by several processes together takes one path on all
+    (`sequence_parallel.Agreement`: every reason to run stock and whether the verdict is cached, agreed in one
+    all-reduce before the check; then the check's verdict, `self_check`'s `agree`). A call whose sequences are
     all under the split floor runs ComfyUI's own forward where `config.policy.runs_stock` says so (families whose
     bounded forwards are slower than ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time,
     for ~0.5 GiB)."""
@@ -423,11 +449,11 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
                 return reason
         return refuse_more(module) if refuse_more is not None else None
 
-    def check(args, kwargs):
+    def check(args, kwargs, recheck: bool = False):
         bound = bind_args(names, args, kwargs)
         call_signature = signature(bound)
         known, reason = known_verdict(call_signature)
-        if known:   # every call after the first of its kind: no check inputs are made
+        if known and not recheck:   # every call after the first of its kind: no check inputs are made
             return reason
         inputs = check_inputs(bound)
         if isinstance(residual, tuple):   # a block with several residual streams returns them in this order
@@ -439,9 +465,21 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
                           quantized=bool(quantized and quantized()), routed=routed,
                           run_reference=lambda: exact_reference(module, stock, inputs),
                           agree=agree(bound) if agree is not None else None,
-                          run_exact=lambda: exact_reference(module, checked, inputs))
+                          run_exact=lambda: exact_reference(module, checked, inputs), recheck=recheck,
+                          run_ready=lambda: exact_reference(module, lambda **_: None, inputs))
 
-    return guarded(what, stock, ours, refuse, check)
+    def agree_call(args, kwargs, reason):
+        bound = bind_args(names, args, kwargs)
+        agreement = agree(bound)
+        if agreement is None or not hasattr(agreement, "any"):   # not in a group: nothing exchanged
+            return reason, False
+        unknown = reason is None and not known_verdict(signature(bound))[0]
+        refused, unknown = agreement.any(reason is not None, unknown)
+        if refused:
+            return reason or OTHER_RANK_RUNS_STOCK, False
+        return None, unknown
+
+    return guarded(what, stock, ours, refuse, check, agree_call if agree is not None else None)
 
 
 __all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "compare_exact", "exact_reference",

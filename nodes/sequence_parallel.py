@@ -14,9 +14,10 @@ Recognition is by identity: a forward is raylight's when it is the very function
 `sys.modules` (raylight imported it to bind it), so nothing here imports raylight or xFuser before they are in
 use. Another pack (or a test) adds its own with `register_ulysses_forward`.
 
-Every rank of the group runs the same guarded calls in the same order, so a block's self-check runs on each rank
-at the same call; `agreement` makes its verdict the group's (one that failed anywhere fails everywhere), or the
-ranks would take different paths and wait on each other's exchanges.
+Every rank of the group runs the same guarded calls in the same order; `agreement` makes each call's path the
+group's before any exchange: whether a rank runs ComfyUI's own (gradients, another node's part, ...), whether a
+rank lacks the verdict (then every rank checks again), and the check's verdict (one that failed anywhere fails
+everywhere), or the ranks would take different paths and wait on each other's exchanges.
 """
 from __future__ import annotations
 
@@ -128,21 +129,35 @@ def refusal(group) -> Optional[str]:
     return None
 
 
-def agreement(group) -> Callable[[Optional[str]], Optional[str]]:
-    """`agree(reason)`: a self-check verdict made the group's: every rank sends whether its check passed, and a
-    check that failed on any rank fails on all (with its own reason where it failed here)."""
-    def agree(reason: Optional[str]) -> Optional[str]:
-        passed = torch.tensor([0 if reason is not None else 1], dtype=torch.int32)
-        process_group = process_group_of(group)
+class Agreement:
+    """How the ranks of `group` take one path: `any(*flags)`, whether each flag is set on any rank (one MAX
+    all-reduce of a tiny int tensor: on CUDA for nccl); `agree(reason)` (calling it), a self-check verdict made
+    the group's: a check that failed on any rank fails on all (with its own reason where it failed here)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def any(self, *flags: bool) -> tuple:
+        values = torch.tensor([1 if flag else 0 for flag in flags], dtype=torch.int32)
+        process_group = process_group_of(self.group)
         if torch.distributed.get_backend(process_group) == "nccl":
-            passed = passed.cuda()
-        torch.distributed.all_reduce(passed, op=torch.distributed.ReduceOp.MIN, group=process_group)
-        if reason is None and int(passed.item()) == 0:
+            values = values.cuda()
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        return tuple(bool(value) for value in values.tolist())
+
+    def __call__(self, reason: Optional[str]) -> Optional[str]:
+        (failed,) = self.any(reason is not None)
+        if reason is None and failed:
             return "the check failed on another rank of the sequence-parallel group"
         return reason
-    return agree
+
+
+def agreement(group) -> Agreement:
+    """The `Agreement` of `group`'s ranks (`compat.guard_module`'s `agree`): every reason to run ComfyUI's own
+    agreed before any exchange, then the self-check's verdict."""
+    return Agreement(group)
 
 
 __all__ = ["SELF_ATTENTION", "CROSS_ATTENTION", "KnownForward", "register_ulysses_forward",
            "unregister_ulysses_forward", "bound_function", "recognised", "ulysses_group", "world_of", "refusal",
-           "agreement"]
+           "agreement", "Agreement"]

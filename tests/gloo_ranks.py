@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Optional
 
 
 def _rank(rank: int, world: int, init_file: str, out_dir: str, body, args: tuple) -> None:
@@ -24,12 +25,25 @@ def _rank(rank: int, world: int, init_file: str, out_dir: str, body, args: tuple
         dist.destroy_process_group()
 
 
-def spawn(body, world: int, *args) -> list:
+def spawn(body, world: int, *args, timeout: Optional[float] = None) -> list:
     """`body(rank, world, *args)` (a module-level function returning JSON-able data) on `world` processes:
-    the results in rank order."""
+    the results in rank order. `timeout`: seconds the ranks may take together; past it they are killed and a
+    `TimeoutError` says so (ranks that wait on each other's exchanges fail the test instead of hanging it)."""
+    import time
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_rank, args=(world, os.path.join(tmp, "rendezvous"), tmp, body, args), nprocs=world, join=True)
+        context = mp.spawn(_rank, args=(world, os.path.join(tmp, "rendezvous"), tmp, body, args), nprocs=world,
+                           join=False)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not context.join(None if deadline is None else max(0.1, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in context.processes:
+                    process.join(10)
+                raise TimeoutError(f"{body.__name__} on {world} ranks did not end in {timeout:g} s "
+                                   f"(ranks waiting on each other's exchanges)")
         results = []
         for rank in range(world):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:

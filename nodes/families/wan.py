@@ -451,10 +451,14 @@ def _parallel_signature(block) -> tuple:
 
 
 def _parallel_agreement(block):
-    """`agree(bound)` for the block's guard: a sequence-parallel block's self-check verdict is its group's."""
+    """`agree(bound)` for the block's guard: a sequence-parallel block's path is its group's (every reason to run
+    ComfyUI's own, the verdict's cache and the verdict, `sequence_parallel.Agreement`). None outside a group, or
+    for one the grouped exchange refuses (a ring degree: every rank runs ComfyUI's block alike)."""
     def agree(bound):
         group = sequence_parallel.ulysses_group(block.self_attn)
-        return None if group is None else sequence_parallel.agreement(group)
+        if group is None or sequence_parallel.refusal(group) is not None:
+            return None
+        return sequence_parallel.agreement(group)
     return agree
 
 
