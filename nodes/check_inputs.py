@@ -106,6 +106,18 @@ def fresh_inputs(inputs: dict) -> dict:
 # quantizing its input. ComfyUI sets the first itself for low-VRAM loads.
 _CAST_FLAGS = ("comfy_cast_weights", "comfy_force_cast_weights")
 _CAST_OP = getattr(comfy.ops, "CastWeightBiasOp", None)
+_QUANTIZED_TENSOR = getattr(comfy.ops, "QuantizedTensor", None)
+
+
+def _dequantized(weight):
+    """A weight function that makes ComfyUI's cast dequantize: a `QuantizedTensor` whose original dtype is
+    already the input's (float32 models) would otherwise reach the matmul quantized and quantize its input."""
+    return weight.dequantize() if _QUANTIZED_TENSOR is not None and isinstance(weight, _QUANTIZED_TENSOR) else weight
+
+
+def _quantized_weight(layer) -> bool:
+    return _QUANTIZED_TENSOR is not None and isinstance(getattr(layer, "weight", None), _QUANTIZED_TENSOR) \
+        and isinstance(getattr(layer, "weight_function", None), list)
 
 
 def _as_float32(value):
@@ -129,12 +141,18 @@ def exact_reference(module, forward: Callable, inputs: dict):
     layers = [layer for layer in module.modules() if isinstance(layer, _CAST_OP)]
     saved = [(layer, {name: layer.__dict__[name] for name in _CAST_FLAGS if name in layer.__dict__})
              for layer in layers]
+    quantized = [layer for layer in layers if _quantized_weight(layer)]
     try:
         for layer in layers:
             for name in _CAST_FLAGS:
                 setattr(layer, name, True)
+        for layer in quantized:
+            layer.weight_function.append(_dequantized)
         return forward(**{name: _as_float32(value) for name, value in fresh_inputs(inputs).items()})
     finally:
+        for layer in quantized:
+            if _dequantized in layer.weight_function:
+                layer.weight_function.remove(_dequantized)
         for layer, own in saved:
             for name in _CAST_FLAGS:
                 if name in own:

@@ -43,7 +43,11 @@ _kj_module = {}
 
 
 def _node(module, name):
-    return getattr(importlib.import_module(module), name)
+    """ComfyUI's node class `name` from `module`, or a skip where this ComfyUI has none (older releases)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        pytest.skip(f"this ComfyUI has no {module}.{name}")
 
 
 def _model(output):
@@ -316,8 +320,8 @@ def test_a_workflow_node_with_qkv_attention_equals_the_node_alone(env, lora_file
     assert groups == heads
     assert set(spy.self_heads) == ({heads} if case.owns == "self_attn" else {heads // groups})
     if case.windowed:   # the windows really split the latent: 3 frames a window (4 with the causal fix frame that
-        # v0.33 puts before a window not at frame 0), never the whole 5
-        assert set(spy.self_tokens) == {3 * FRAME_TOKENS, 4 * FRAME_TOKENS}
+        # v0.33 puts before a window not at frame 0; v0.8.0 puts none), never the whole 5
+        assert 3 * FRAME_TOKENS in spy.self_tokens and set(spy.self_tokens) <= {3 * FRAME_TOKENS, 4 * FRAME_TOKENS}
     # (4) the node acted (a node that raises did: its own code raised)
     if case.raises is None:
         case.acted(alone, plain, caplog.text)
