@@ -23,7 +23,8 @@ What it does, per weight format (one process, the state dict made once):
   and ComfyUI's loaded weights, so its peak is the run's.
 
 `--compile whole,blocks` runs each method again with a torch.compile node after it (`compile_ways.py`: ComfyUI's
-TorchCompileModel, or the blocks compiled one by one as KJNodes' nodes do); every record has the device's whole
+TorchCompileModel, or the blocks compiled one by one as KJNodes' nodes do), after a small compiled warm-up in
+which the pack's self-checks run again inside the compiled model, as in a user's first compiled run; every record has the device's whole
 peak beside the allocator's (`device_peak.py`: what a real card must hold, comfy-aimdo's own memory included), and
 `--smallest-card 16,14,12,10,8` finds the smallest simulated card on which each method's probe fits by that peak.
 
@@ -348,6 +349,20 @@ def fast_paths_runs(patched, fmt: str, card: float, negative: str, size, config:
           "steps": args.steps, "fast_paths_ab": rows})
 
 
+def compiled_warm_up(model, method: str, way: str, fmt: str, negative: str, base, args, config) -> None:
+    """A user's first run of a compiled workflow, small: the pack's self-checks run again inside the compiled
+    model (the verdicts of the uncompiled warm-up forgotten), and dynamo compiles once before the timed run."""
+    if method == "pack":
+        forget_verdicts()
+    warm = sample_once(model, 5, (480, 272), 1, args.cfg, True, config["text_dim"], negative_kind=negative)
+    checks = ""
+    if method == "pack":
+        passed = all_checked(stock_functions(base.model.diffusion_model))
+        checks = "; every check passed" if passed else "; a check failed"
+    print(f"[{fmt}] {method} + compile {way} warm-up, negative {negative}: {warm['wall_s']:.1f} s, "
+          f"recompile_limit hits {warm.get('dynamo_recompile_limit', 0)}{checks}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench --comfyui PATH --whole-model",
                                      description=__doc__.split("\n")[0])
@@ -459,9 +474,13 @@ def main(argv=None) -> int:
                     plan_for_card(card, default_reserve)
                 for method in methods:
                     for way in ways:
-                        record = sample_once(compiled(models[method], way), args.frames, size, args.steps,
+                        model = compiled(models[method], way)
+                        if way != "none":
+                            compiled_warm_up(model, method, way, fmt, negative, base, args, config)
+                        record = sample_once(model, args.frames, size, args.steps,
                                              args.cfg, False, config["text_dim"], negative_kind=negative)
                         emit(dict(record, format=fmt, card_gib=card, method=method, compile=way))
+                        model = None
             if args.search_frames or args.search_only:
                 break   # the search below runs on the first negative's verdicts
         if args.smallest_card and cuda:
