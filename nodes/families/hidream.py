@@ -34,12 +34,10 @@ import comfy.ldm.hidream.model as hidream_model
 from .. import compat
 from ..attention import AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend
 from ..block_parts import SWIGLU, chunk_scale, foreign_part, output_projection_, projection_residual_
-from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, probe_linear, probe_norms
 from .hidream_moe import add_gated, feed_forward_, is_moe, modulate_, moe_functions
 
 FAMILY = "HiDream"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("hidream")
 
 IMAGE = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_rms_norm", norm_k="k_rms_norm")
 TEXT = StreamProjections(q="to_q_t", k="to_k_t", v="to_v_t", norm_q="q_rms_norm_t", norm_k="k_rms_norm_t")
