@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..nodes.families import cogvideox, flux, hidream, minimax, mochi, qwen_image, wan
-from ..nodes.dispatch import QKVConfig, family_config
+from ..nodes.dispatch import QKVConfig
 from ..qkv_core import parse_level
 from . import fast_paths_ab as ab
 from . import memory
@@ -320,7 +320,7 @@ def _first(result):
 def pack_forward(block, factory, backend: str, level: int, split_floor: Optional[int]):
     """The pack's forward of `block` at `level` with block bounds, with the family's split floor as the node
     applies it (Flux and Qwen-Image split from 12,288 tokens an item), or `split_floor`."""
-    config = family_config(QKVConfig(level=level, backend=backend, block=True), sys.modules[factory.__module__])
+    config = sys.modules[factory.__module__].SPEC.configure(QKVConfig(level=level, backend=backend, block=True))
     if split_floor is not None:
         config = config._replace(split_floor=split_floor)
     return factory(block, config)

@@ -12,7 +12,7 @@ run from its estimate E = `base_model.memory_required([2, C, ...])` (`comfy.samp
 cond + uncond of one latent; memory_usage_factor x latent area), keeping as many weights on the GPU as fit beside
 E. Stock's real working set is A, the pack's P (CUDA allocator peak of one model call above what was allocated
 before it: weights, inputs; the output included). A patched run told `factor` x E peaks no higher than stock when
-factor >= 1 - (A - P) / E: the "factor needed" column, to set against the family's `MEMORY_FACTORS`
+factor >= 1 - (A - P) / E: the "factor needed" column, to set against the family's memory factors
 (`nodes/<family>.py`; `split` when the head split runs, `unsplit` when it does not: the "pack plan" column says
 which `nodes.patching.memory_factor` picks for the case). A and P are one model call, without the sampler's own
 buffers (the float32 denoised latent, the cfg arithmetic): the same for both, so A - P holds, while A / E of a
@@ -142,7 +142,7 @@ def measured(fn, repeats: int, device) -> tuple:
 
 def pack_plan(base, patched, backend: str, shape, level: str = "High") -> tuple:
     """What `nodes.patching.memory_factor` tells ComfyUI for a run of this case with the family's current
-    MEMORY_FACTORS, and why (split, unsplit, not verified yet, ...); the adapter's name."""
+    memory factors (its row of nodes/families/measured.py), and why (split, unsplit, not verified yet, ...); the adapter's name."""
     diffusion_model = base.model.diffusion_model
     adapter = patching.find_adapter(diffusion_model)
     if adapter is None:
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--level", default="High", help="the node's head_split_level for the pack (default High)")
     parser.add_argument("--split-floor", type=int, default=None,
                         help="the runtime's head split floor in tokens of one item (default 8,192; each family "
-                             "splits from its SPLIT_FLOOR_SCALE times it); 0: every call is split")
+                             "splits from its split_floor_scale times it); 0: every call is split")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: every case cut down to run on the CPU")
     parser.add_argument("--threads", type=int, default=1, help="CPU: torch threads (default 1)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")

@@ -30,7 +30,7 @@ class QKVConfig(NamedTuple):
     tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
     with 0); `floor_scale`, `short_runs_stock`, `group_scale`: the family's multiple of the runtime's floor,
     whether its calls under that floor run ComfyUI's own forwards and its multiple of the level's head groups
-    (`family_config`). `policy`: all of it as one `SplitPolicy`, what every split decision asks."""
+    (`Family.configure`). `policy`: all of it as one `SplitPolicy`, what every split decision asks."""
     level: int
     backend: str
     block: bool
@@ -165,14 +165,3 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
     force = "sdpa" if full_precision else kwargs.get("force_attention")
     return pay_attention(q, k, v, force_attention=force)
 
-
-def family_config(config, adapter):
-    """`config` with the family's split policy: its floor `adapter.SPLIT_FLOOR_SCALE` times the runtime's, for
-    families whose forwards are bound by the host's launches on shorter sequences, `adapter.SHORT_RUNS_STOCK` and
-    its multiple of the level's head groups `adapter.GROUP_SCALE` (its row of nodes/families/measured.py; 1,
-    False and 1 without an adapter)."""
-    wanted = (adapter.SPLIT_FLOOR_SCALE, adapter.SHORT_RUNS_STOCK, adapter.GROUP_SCALE) if adapter is not None \
-        else (1, False, 1)
-    if (config.floor_scale, config.short_runs_stock, config.group_scale) == wanted:
-        return config
-    return config._replace(floor_scale=wanted[0], short_runs_stock=wanted[1], group_scale=wanted[2])

@@ -9,7 +9,7 @@ import comfy.patcher_extension
 
 from ..qkv_core import drain_notices, drain_tally, reset_notices
 from . import compat, kernel_patch, planner, reference_cache
-from .dispatch import LEVELS, QKVConfig, backend_choices, family_config
+from .dispatch import LEVELS, QKVConfig, backend_choices
 from .families import ADAPTERS
 from .families.family import check_adapter
 from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui, stock_fallback
@@ -27,13 +27,13 @@ def memory_factor(config: QKVConfig, adapter, diffusion_model, latent_shape,
                   transformer_options) -> tuple[float, str]:
     """The share of ComfyUI's activation estimate a run of the patched model needs, and why: `adapter`'s
     model `diffusion_model` sampled on a latent of `latent_shape` with these `transformer_options`. The
-    family's measured factors (`adapter.MEMORY_FACTORS`) where the pack's forwards run; attention patched
+    family's measured factors (`adapter.SPEC.measured.memory_factors`) where the pack's forwards run; attention patched
     alone leaves the stock feed-forward's peak (1.0), and anything not verified yet in this process, or
     with other nodes' hooks, runs at ComfyUI's own estimate: a self-check that failed keeps it there for the
     process (`compat.all_checked`), and a module that runs ComfyUI's own forward during a run puts it back for
     the rest of that run (`make_run_wrappers`)."""
-    factors = adapter.MEMORY_FACTORS
-    config = family_config(config, adapter)
+    factors = adapter.SPEC.measured.memory_factors
+    config = adapter.SPEC.configure(config)
     if not config.block:
         return 1.0, "attention patched alone: the stock feed-forward's peak stays"
     if not compat.all_checked(adapter.stock_functions(diffusion_model)):
@@ -223,7 +223,7 @@ def apply_patch(model, level: str, backend: str, block_bounds: bool, node_id=Non
     elif adapter is None:   # every other model: ComfyUI's attention calls on the pack's backend
         kernel_patch.patch(patched, backend, report, type(diffusion_model).__name__)
     else:
-        config = family_config(config, adapter)
+        config = adapter.SPEC.configure(config)
         adapter.patch(patched, config, report)
     if report.any_patched:
         own_keys = tuple(key for key, value in patched.object_patches.items() if compat.is_ours(value))

@@ -1,5 +1,5 @@
 """The VRAM planner: before anything runs, from a model's dimensions and the latent's size, the peak working set
-of its largest block at each head-split level, beside ComfyUI's own block (the family's `WORKING_SETS`,
+of its largest block at each head-split level, beside ComfyUI's own block (the family's working sets, its row of
 nodes/families/measured.py). It answers "which level fits?" without a ten-minute trial; the run report shows the same
 estimate beside the peak it measured."""
 from __future__ import annotations
@@ -15,10 +15,8 @@ from types import SimpleNamespace
 
 from ..qkv_core.backends import resolve_backend
 from ..qkv_core.runtime import attends_over_queries
-from .dispatch import AUTO, LEVELS, QKVConfig, family_config, uses_comfy_dispatch
+from .dispatch import AUTO, LEVELS, QKVConfig, uses_comfy_dispatch
 from .report import size
-
-WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels", "hidden_size_x")   # Mochi: its video's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +62,6 @@ class Plan:
                 "levels": [dataclasses.asdict(plan) for plan in self.levels]}
 
 
-def model_width(diffusion_model) -> Optional[int]:
-    """The width of the model's token activations (its first `WIDTH_NAMES` attribute that is a positive int)."""
-    for name in WIDTH_NAMES:
-        value = getattr(diffusion_model, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def compute_dtype(base_model) -> Optional[torch.dtype]:
     """The dtype the model computes in (`base_model`: comfy.model_base's model): fp8 / GGUF weights are cast
     to it per call, so activations are in it, not in the weights' dtype."""
@@ -98,8 +87,9 @@ def comfy_release() -> Optional[tuple]:
 
 def working_sets(adapter, diffusion_model) -> dict:
     """The `WorkingSet` of each kind of block the model has (every kind the family knows when none is found)."""
-    kinds = [kind for kind in adapter.block_kinds(diffusion_model) if kind in adapter.WORKING_SETS]
-    return {kind: adapter.WORKING_SETS[kind] for kind in (kinds or adapter.WORKING_SETS)}
+    known = adapter.SPEC.measured.working_sets
+    kinds = [kind for kind in adapter.block_kinds(diffusion_model) if kind in known]
+    return {kind: known[kind] for kind in (kinds or known)}
 
 
 def over_queries(config: QKVConfig, tokens: int, kv_heads: int, width: int, dtype: torch.dtype,
@@ -128,8 +118,8 @@ def plan(adapter, diffusion_model, latent_shape, config: QKVConfig, batch: Optio
     attend short calls over their queries: `over_queries`), or None when the shapes cannot be read (said by the
     caller). The split at each level is the one the runtime's calls make: the family's `SplitPolicy`."""
     tokens = adapter.tokens_per_item(diffusion_model, latent_shape)
-    config = family_config(config, adapter)
-    width = model_width(diffusion_model)
+    config = adapter.SPEC.configure(config)
+    width = adapter.SPEC.width(diffusion_model)
     if tokens is None or width is None:
         return None
     batch = int(batch or latent_shape[0])

@@ -61,7 +61,7 @@ def check_block_peak(env, adapter, block, inputs: dict, x: str, heads: int, toke
     memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
     x_bytes = inputs[x].numel() * inputs[x].element_size()
     live = [block, list(inputs.values())]
-    bounded_forward = adapter.block_forward(block, env.node.QKVConfig(level=3, backend="sdpa", block=True))
+    bounded_forward = adapter.block_forward(block, adapter.SPEC.configure(env.node.QKVConfig(3, "sdpa", True)))
     with torch.no_grad():
         env.core.reset_notices()
         bounded_forward(**env.compat.fresh_inputs(inputs))

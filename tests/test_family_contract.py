@@ -33,15 +33,18 @@ def env():
         yield modules
 
 
+def registered(env, case: str):
+    """The registry's `Family` (nodes/families/__init__.py, `FAMILIES`) of the case `case`'s adapter."""
+    families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
+    return next(family for family in families.FAMILIES if family.module == family_cases.ADAPTER_MODULES[case])
+
+
 @pytest.fixture(autouse=True)
 def _family_floor(request, env):
-    """A family that splits only from a multiple of the runtime's floor (its `SPLIT_FLOOR_SCALE`, every family
-    but Kandinsky 5 and HiDream) gets that fraction of the cases' floor, so that its 4,096-token items split like
+    """A family that splits only from a multiple of the runtime's floor (its registered row's `split_floor_scale`) gets that fraction of the cases' floor, so that its 4,096-token items split like
     the others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
-    module = family_cases.ADAPTER_MODULES.get(family) if family is not None else None
-    scale = importlib.import_module(f"{env.pack.__name__}.nodes.families.{module}").SPLIT_FLOOR_SCALE \
-        if module is not None else 1
+    scale = registered(env, family).measured.split_floor_scale if family is not None else 1
     if scale == 1:
         yield
         return
@@ -63,17 +66,21 @@ def test_the_cases_cover_every_registered_family(env):
 
 
 def test_measured_constants_come_from_one_table(env):
-    """Every family's MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK and GROUP_SCALE are its row of
-    nodes/families/measured.py, and every row cites sections of docs/benchmarks.md that exist."""
+    """Every registered family holds its row of nodes/families/measured.py (its adapter's `SPEC`), whose split
+    policy enters a call's configuration through `Family.configure`, and every row cites sections of
+    docs/benchmarks.md that exist."""
     import re
     families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
     measured = importlib.import_module(f"{env.pack.__name__}.nodes.families.measured")
     anchors = set(re.findall(r'<a id="([^"]+)"></a>', (comfy_env.REPO_ROOT / "docs" / "benchmarks.md").read_text()))
     assert set(measured.TABLE) == set(families.MODULES)
+    plain = env.node.QKVConfig(3, "sdpa", True)
     for family in families.FAMILIES:
-        row, adapter = measured.TABLE[family.module], family.adapter
-        assert (adapter.MEMORY_FACTORS, adapter.WORKING_SETS, adapter.SPLIT_FLOOR_SCALE,
-                adapter.SHORT_RUNS_STOCK, adapter.GROUP_SCALE) == row.constants(), family.module
+        row = measured.TABLE[family.module]
+        assert family.measured is row and family.adapter.SPEC is family, family.module
+        config = family.configure(plain)
+        assert (config.floor_scale, config.short_runs_stock, config.group_scale) == \
+            (row.split_floor_scale, row.short_runs_stock, row.group_scale), family.module
         for where in row.anchors():
             path, _, anchor = where.partition("#")
             assert path == "docs/benchmarks.md" and anchor in anchors, (family.module, where)
@@ -97,9 +104,9 @@ def _forward(case, applied=None, weights=False):
 
 
 def family_groups(env, family: str, kv_heads: int, level: int) -> int:
-    """The head groups of a long call of `family`'s (a case name) at `level` (0-3), its `GROUP_SCALE` applied."""
-    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
-    return env.core.SplitPolicy(level, group_scale=adapter.GROUP_SCALE).plan(kv_heads, 10**6).groups
+    """The head groups of a long call of `family`'s (a case name) at `level` (0-3), its `group_scale` applied."""
+    group_scale = registered(env, family).measured.group_scale
+    return env.core.SplitPolicy(level, group_scale=group_scale).plan(kv_heads, 10**6).groups
 
 
 def rel_err(a, b):
@@ -247,13 +254,10 @@ def test_gguf_weights(env, family):
 def test_each_family_splits_from_its_own_floor(env, family):
     """The runtime's floor set just under the case's tokens of one item (its longest self-attention in a stock
     forward, / 1.2: some guards count the image stream alone): families whose floor is that times
-    `SPLIT_FLOOR_SCALE` > 1 (Cosmos 3.5, LTX 3, Wan, SD3 and Lumina 2 2, Flux and Qwen-Image 1.5: their split
-    blocks are bound by the host's launches there) keep the items whole, the others split them; the output is stock's either way."""
+    its registered row's `split_floor_scale` > 1 (their split blocks are bound by the host's launches there) keep
+    the items whole, the others split them; the output is stock's either way."""
     case = family_cases.case(family)
-    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
-    scale = adapter.SPLIT_FLOOR_SCALE
-    assert scale == {"ltx_video": 3, "cosmos_predict2": 3.5, "flux": 1.5, "hunyuan_video": 1.5, "qwen_image": 1.5,
-                     "wan": 2, "sd3": 2, "lumina2": 2}.get(family, 1)
+    scale = registered(env, family).measured.split_floor_scale
     with comfy_env.SdpaHeads(env.torch) as stock_spy:
         reference = _forward(case)
     with comfy_env.split_floor(env, round(max(stock_spy.self_tokens) / 1.2)):
@@ -280,7 +284,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
     tally), and a family that leaves short calls to ComfyUI's forwards plans stock's block exactly where none of
     the pack's calls ran."""
     planner = importlib.import_module(f"{env.pack.__name__}.nodes.planner")
-    adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{family_cases.ADAPTER_MODULES[family]}")
+    adapter = registered(env, family).adapter
     case = family_cases.case(family)
     model = case.patcher.model.diffusion_model
     x = case.inputs()["x"]
@@ -290,7 +294,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
         _forward(case)
     longest = max(stock_spy.self_tokens)
     assert tokens <= longest, (family, tokens, longest)
-    scale = adapter.SPLIT_FLOOR_SCALE
+    scale = adapter.SPEC.measured.split_floor_scale
     config = env.node.QKVConfig(3, "sdpa", True)
     patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", True)
     seen = {}
@@ -307,7 +311,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
         seen[name] = ran
         assert plan.levels[3].groups == ran, (family, name, plan.levels[3], tally.splits)
         assert (why == "head split") == (ran > 1) or "self-check" in why, (family, name, why)
-        if adapter.SHORT_RUNS_STOCK:
+        if adapter.SPEC.measured.short_runs_stock:
             assert (plan.levels[3].bytes == plan.stock_bytes) == (not tally.splits), (family, name, tally)
     assert seen["at the floor"] > 1 and seen["under it"] == 1, (family, seen)
     assert not _fallbacks(env), family
@@ -330,7 +334,7 @@ def test_the_planner_counts_the_groups_of_calls_attended_over_their_queries(env,
     scale = env.core.head_split.OVER_QUERIES_GROUP_SCALE
     assert [level.groups for level in plain.levels] == [1, 4, 4, 4]
     assert [level.groups for level in over.levels] == [1, 2, 4, 4]   # Low: 4 x 2/3 -> 2 of 4 heads
-    working_set = wan.WORKING_SETS["block"]
+    working_set = wan.SPEC.measured.working_sets["block"]
     assert over.levels[1].bytes == int(working_set.bounded(2, scale) * over.x_bytes)
     assert over.levels[3].bytes == int(working_set.bounded(4, scale) * over.x_bytes) < plain.levels[3].bytes
     assert [env.core.SplitPolicy(level).plan(4, 16384, over_queries=True).groups for level in range(4)] == \

@@ -79,7 +79,7 @@ def test_every_attention_equals_stock_at_every_level(env, hidream, split_everyth
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, bounds)
             assert rel_err(out, reference) <= 1e-5, (level, bounds, rel_err(out, reference))
-            groups = env.core.SplitPolicy(LEVELS.index(level), 0, group_scale=hidream.GROUP_SCALE).plan(
+            groups = env.core.SplitPolicy(LEVELS.index(level), 0, group_scale=hidream.SPEC.measured.group_scale).plan(
                 HEADS, 10**6).groups
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)
@@ -191,7 +191,7 @@ def test_bounded_block_peak():
                rope=hidream_model.EmbedND(theta=10000, axes_dim=[16, 8, 8])(ids))
     x_bytes = inp["image_tokens"].numel() * inp["image_tokens"].element_size()
     live = [block, list(inp.values())]
-    bounded_forward = hidream.block_forward(block, node.QKVConfig(level=3, backend="sdpa", block=True))
+    bounded_forward = hidream.block_forward(block, hidream.SPEC.configure(node.QKVConfig(3, "sdpa", True)))
     pack.qkv_core.reset_notices()
     with torch.no_grad():
         bounded_forward(**inp)   # the self-check, once per process, outside the measurement

@@ -53,7 +53,7 @@ import formats
 
 pytestmark = pytest.mark.comfyui
 
-# The matrix's split floor (tokens of one item, after each family's SPLIT_FLOOR_SCALE): the rows' images are 288
+# The matrix's split floor (tokens of one item, after each family's split_floor_scale): the rows' images are 288
 # tokens an item, just above it and above the self-check's 256 (so the real run's attention is the longest the
 # spy sees). The GPU rows: sides twice as long (1,152 image tokens an item) above a floor of 1,024.
 MATRIX_FLOOR = 256
@@ -324,9 +324,9 @@ def models():
 
 
 def _floor(env, family, floor):
-    """The runtime floor that puts `family`'s own floor (x its SPLIT_FLOOR_SCALE) at `floor`."""
+    """The runtime floor that puts `family`'s own floor (x its split_floor_scale) at `floor`."""
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{FAMILIES[family].adapter}")
-    return comfy_env.split_floor(env, round(floor / adapter.SPLIT_FLOOR_SCALE))
+    return comfy_env.split_floor(env, round(floor / adapter.SPEC.measured.split_floor_scale))
 
 
 class SelfAttentionCalls:
@@ -407,7 +407,7 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
     fallbacks = [line for line in notices if "runs as ComfyUI's own" in line]
     assert not fallbacks, (row, fallbacks)
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{spec.adapter}")
-    groups = env.core.SplitPolicy(3, group_scale=adapter.GROUP_SCALE).plan(spec.kv_heads, 10**6).groups
+    groups = env.core.SplitPolicy(3, group_scale=adapter.SPEC.measured.group_scale).plan(spec.kv_heads, 10**6).groups
     group = (spec.heads or spec.kv_heads) // groups
     assert group in spy.longest(), (row, "no head split", spy.calls, notices)
     assert ours.shape == stock.shape and ours.dtype == stock.dtype, row

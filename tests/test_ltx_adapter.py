@@ -321,7 +321,7 @@ def test_short_sequences_run_comfyuis_own_blocks(env, ltx):
     1216x704 x 121, for a saving of ~0.3-0.8 GiB): the output is stock's exactly, and the log says why (the
     other tests, with a floor of 0, run the pack's forwards on the same tiny model)."""
     import torch
-    assert env.core.head_split.SPLIT_FLOOR_TOKENS == 8192 and ltx.SPLIT_FLOOR_SCALE == 3
+    assert env.core.head_split.SPLIT_FLOOR_TOKENS == 8192 and ltx.SPEC.measured.split_floor_scale == 3
     base = ltx_model()
     inputs = ltx_inputs(torch)
     reference = forward(base, inputs)
@@ -335,19 +335,19 @@ def test_short_sequences_run_comfyuis_own_blocks(env, ltx):
 
 
 def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
-    """LTX's calls split from `SPLIT_FLOOR_SCALE` x the runtime's floor: the runtime is told so, and the planner
+    """LTX's calls split from its `split_floor_scale` x the runtime's floor (`Family.configure`): the runtime is told so, and the planner
     and the memory estimate decide as the runtime does (1216x704 x 121 whole, x 257 split)."""
     import importlib
     dispatch = importlib.import_module(env.pack.__name__ + ".nodes.dispatch")
     planner = importlib.import_module(env.pack.__name__ + ".nodes.planner")
     config = dispatch.QKVConfig(3, "sdpa", True)
-    ltx_config = dispatch.family_config(config, ltx)
+    ltx_config = ltx.SPEC.configure(config)
     assert config.policy.floor == 8192 and ltx_config.policy.floor == 24576
     assert ltx_config.policy.short_runs_stock and not config.policy.short_runs_stock
     assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
     assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})
     kandinsky5 = importlib.import_module(env.pack.__name__ + ".nodes.families.kandinsky5")
-    assert dispatch.family_config(config, kandinsky5) is config
+    assert kandinsky5.SPEC.configure(config) is config
     model = ltx_model().model.diffusion_model
     short = planner.plan(ltx, model, (2, 16, 16, 22, 38), config)      # 13,376 tokens an item
     long = planner.plan(ltx, model, (2, 16, 33, 22, 38), config)       # 27,588

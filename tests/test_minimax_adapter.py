@@ -59,8 +59,8 @@ def minimax_inputs(torch, video=(1, 24, 3, 16, 16), audio_frames=8, text_tokens=
 
 
 def _groups(env, heads: int, level: int) -> int:
-    """The head groups of a long H3 call at `level` (0-3), with the family's `GROUP_SCALE`."""
-    return env.core.SplitPolicy(level, 0, group_scale=env.minimax.GROUP_SCALE).plan(heads, 10**6).groups
+    """The head groups of a long H3 call at `level` (0-3), with the family's `group_scale`."""
+    return env.core.SplitPolicy(level, 0, group_scale=env.minimax.SPEC.measured.group_scale).plan(heads, 10**6).groups
 
 
 def test_twice_the_levels_groups(env):
@@ -68,13 +68,12 @@ def test_twice_the_levels_groups(env):
     at High: 28 of 2, where a family of the level's own target takes 14 of 4), as the runtime's call options,
     the planner's policy and the validation of the runtime's option say."""
     dispatch = importlib.import_module(env.pack.__name__ + ".nodes.dispatch")
-    config = dispatch.family_config(dispatch.QKVConfig(3, "sdpa", True), env.minimax)
-    assert env.minimax.GROUP_SCALE == 2 and config.group_scale == 2
+    config = env.minimax.SPEC.configure(dispatch.QKVConfig(3, "sdpa", True))
+    assert env.minimax.SPEC.measured.group_scale == 2 and config.group_scale == 2
     assert config.policy.plan(56, 40000).groups == 28
     assert env.core.SplitPolicy(3).plan(56, 40000).groups == 14
     assert config.policy.call_options()["head_split_group_scale"] == 2
-    assert dispatch.family_config(dispatch.QKVConfig(3, "sdpa", True), None).policy.call_options() == \
-        {"head_split_level": 3}
+    assert dispatch.QKVConfig(3, "sdpa", True).policy.call_options() == {"head_split_level": 3}
     torch = env.torch
     x = torch.randn(1, 64, 8 * 16)
     proj = [torch.nn.Linear(128, 128, bias=False) for _ in range(3)]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.comfyui
 
 @pytest.fixture(autouse=True)
 def _wan_splits_at_the_memory_tests_size(monkeypatch):
-    """Wan splits real sizes from 16,384 tokens an item (2x the runtime's floor, `wan.SPLIT_FLOOR_SCALE`); the
+    """Wan splits real sizes from 16,384 tokens an item (2x the runtime's floor, `wan.SPEC.measured.split_floor_scale`); the
     memory test's block has 12,288. The runtime's floor is halved in every copy of the pack in this process (the
     tests' own and the one ComfyUI's loader imported), so that the plans, the runs and the measured blocks (built
     with the runtime's own floor) all split as the node splits a Wan of 16,384+ tokens."""
@@ -171,9 +171,9 @@ def test_the_stock_estimate_follows_the_comfyui_release(monkeypatch):
     planner = importlib.import_module(pack.__name__ + ".nodes.planner")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     flux = importlib.import_module(pack.__name__ + ".nodes.families.flux")
-    double = flux.WORKING_SETS["double"]
+    double = flux.SPEC.measured.working_sets["double"]
     assert double.stock_on((0, 3, 64)) == 17.36 and double.stock_on((0, 8, 0)) == double.stock_on(None) == 10.06
-    assert flux.WORKING_SETS["single"].stock_on((0, 33, 0)) == 14.06
+    assert flux.SPEC.measured.working_sets["single"].stock_on((0, 33, 0)) == 14.06
     release = planner.comfy_release()
     assert release is not None and release == tuple(int(p) for p in comfy_env.comfyui_version().split(".")[:3])
     model, latent_shape = _wan_like_memory_test(torch)

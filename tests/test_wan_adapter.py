@@ -25,7 +25,7 @@ KINDS = ("t2v", "i2v", "wan22_5b", "vace")
 @pytest.fixture(scope="module")
 def env():
     # cond + uncond of 4,224 tokens each: split as 16,384+ tokens an item are (the floor counts one item; Wan's is
-    # 2x the runtime's, `wan.SPLIT_FLOOR_SCALE`)
+    # 2x the runtime's, `wan.SPEC.measured.split_floor_scale`)
     with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
         yield modules
 
@@ -261,12 +261,12 @@ def test_memory_estimate_follows_what_the_run_does(env, monkeypatch):
         return seen[-1] / stock_factor
 
     assert run("High", True) == pytest.approx(1.0)        # first run: nothing verified yet
-    assert run("High", True) == pytest.approx(env.wan.MEMORY_FACTORS.unsplit)   # 48 tokens: no split
+    assert run("High", True) == pytest.approx(env.wan.SPEC.measured.memory_factors.unsplit)   # 48 tokens: no split
     monkeypatch.setattr(env.core.head_split, "SPLIT_FLOOR_TOKENS", 16)
-    assert run("High", True) == pytest.approx(env.wan.MEMORY_FACTORS.split)
-    assert run("Off", True) == pytest.approx(env.wan.MEMORY_FACTORS.unsplit)
+    assert run("High", True) == pytest.approx(env.wan.SPEC.measured.memory_factors.split)
+    assert run("Off", True) == pytest.approx(env.wan.SPEC.measured.memory_factors.unsplit)
     assert run("High", False) == pytest.approx(1.0)
-    assert env.wan.MEMORY_FACTORS.split < env.wan.MEMORY_FACTORS.unsplit < 1
+    assert env.wan.SPEC.measured.memory_factors.split < env.wan.SPEC.measured.memory_factors.unsplit < 1
 
 
 def test_memory_estimate_is_restored_after_a_cancel(env):
@@ -305,47 +305,51 @@ def test_even_chunks_respect_the_budget(env, tokens, per_token, budget):
 
 
 def test_every_adapter_meets_the_family_contract(env):
-    """nodes/families/family.py: what patching, the memory estimate and the report need of a family adapter."""
+    """nodes/families/family.py: what patching, the memory estimate and the report need of a family adapter, and
+    the checked fields of its measured row (`SPEC.measured`, measured.py)."""
+    import dataclasses
     family = env.pack.nodes.families.family
     for adapter in env.node.ADAPTERS:
         assert isinstance(adapter, family.FamilyAdapter), adapter
         family.check_adapter(adapter)
-        factors = adapter.MEMORY_FACTORS
+        factors = adapter.SPEC.measured.memory_factors
         assert 0 < factors.split <= factors.unsplit <= 1
         # below ComfyUI's own estimate only where a whole model of the family was measured
         assert factors.unsplit == 1 or "not measured" not in factors.measured
     assert {adapter.FAMILY for adapter in env.node.ADAPTERS} >= {"Wan", "Flux", "Qwen-Image", "Lumina2"}
     broken = SimpleNamespace(FAMILY="Broken", matches=lambda m: False)
-    with pytest.raises(TypeError, match=r"is not a family adapter: it lacks MEMORY_FACTORS, WORKING_SETS, patch, "):
+    with pytest.raises(TypeError, match=r"is not a family adapter: it lacks SPEC, patch, "):
         family.check_adapter(broken)
     names = ("FAMILY", "matches", "patch", "stock_functions", "tokens_per_item", "kv_heads", "splits_projections",
-             "block_kinds", "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "GROUP_SCALE", "WORKING_SETS")
-    inverted = SimpleNamespace(**{name: getattr(env.wan, name) for name in names},
-                               MEMORY_FACTORS=family.MemoryFactors(split=0.9, unsplit=0.6, measured="test"))
+             "block_kinds")
+    row = env.wan.SPEC.measured
+
+    def adapter_with(**fields):
+        spec = dataclasses.replace(env.wan.SPEC, measured=dataclasses.replace(row, **fields))
+        return SimpleNamespace(**{name: getattr(env.wan, name) for name in names}, SPEC=spec)
     with pytest.raises(ValueError, match=r"0 < split <= unsplit <= 1"):
-        family.check_adapter(inverted)
+        family.check_adapter(adapter_with(memory_factors=family.MemoryFactors(split=0.9, unsplit=0.6,
+                                                                               measured="test")))
     # the planner's working sets: the pack's bounded block below stock's, for every kind of block
     for adapter in env.node.ADAPTERS:
-        for kind, working_set in adapter.WORKING_SETS.items():
+        for kind, working_set in adapter.SPEC.measured.working_sets.items():
             assert working_set.bounded(16) < working_set.bounded(1) < working_set.stock, (adapter.FAMILY, kind)
-    odd = SimpleNamespace(**{name: getattr(env.wan, name) for name in names[:-1]},
-                          MEMORY_FACTORS=env.wan.MEMORY_FACTORS,
-                          WORKING_SETS={"block": family.WorkingSet(stock=1.0, bounded_whole=3.0, measured="test")})
     with pytest.raises(ValueError, match=r"working set is out of order"):
-        family.check_adapter(odd)
-    # the split floor's scale and the short-runs flag are checked fields of every adapter (measured.py's row)
+        family.check_adapter(adapter_with(working_sets={"block": family.WorkingSet(stock=1.0, bounded_whole=3.0,
+                                                                                   measured="test")}))
+    # the split floor's scale and the short-runs flag are checked fields of every family's row
     for adapter in env.node.ADAPTERS:
-        assert adapter.SPLIT_FLOOR_SCALE >= 1 and isinstance(adapter.SHORT_RUNS_STOCK, bool), adapter.FAMILY
-    contract = {name: getattr(env.wan, name) for name in names + ("MEMORY_FACTORS",)}
+        measured = adapter.SPEC.measured
+        assert measured.split_floor_scale >= 1 and isinstance(measured.short_runs_stock, bool), adapter.FAMILY
     for bad in (0.5, True, "2"):
-        with pytest.raises(ValueError, match=r"SPLIT_FLOOR_SCALE must be a number >= 1"):
-            family.check_adapter(SimpleNamespace(**{**contract, "SPLIT_FLOOR_SCALE": bad}))
-    with pytest.raises(ValueError, match=r"SHORT_RUNS_STOCK must be True or False"):
-        family.check_adapter(SimpleNamespace(**{**contract, "SHORT_RUNS_STOCK": 1}))
+        with pytest.raises(ValueError, match=r"split_floor_scale must be a number >= 1"):
+            family.check_adapter(adapter_with(split_floor_scale=bad))
+    with pytest.raises(ValueError, match=r"short_runs_stock must be True or False"):
+        family.check_adapter(adapter_with(short_runs_stock=1))
     for bad in (0, -1, True, "2"):   # the family's multiple of the level's head groups
-        with pytest.raises(ValueError, match=r"GROUP_SCALE must be a number > 0"):
-            family.check_adapter(SimpleNamespace(**{**contract, "GROUP_SCALE": bad}))
-    family.check_adapter(SimpleNamespace(**contract))
+        with pytest.raises(ValueError, match=r"group_scale must be a number > 0"):
+            family.check_adapter(adapter_with(group_scale=bad))
+    family.check_adapter(adapter_with())
 
 
 @pytest.mark.parametrize("kind", ["t2v", "i2v"])

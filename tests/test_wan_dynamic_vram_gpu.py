@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
 
 DIM, HEADS, LAYERS = 512, 16, 2
 FRAMES, H, W = 4, 64, 64          # 4 x 32 x 32 = 4,096 tokens an item (cond + uncond), split by the floor below
-RUNTIME_FLOOR = 2048              # x Wan's SPLIT_FLOOR_SCALE 2: items of 4,096 tokens split
+RUNTIME_FLOOR = 2048              # x Wan's split_floor_scale 2: items of 4,096 tokens split
 TESTS = Path(__file__).resolve().parent
 
 CHILD = """

@@ -116,9 +116,9 @@ def test_bounded_block_bf16_close_and_bounded(env):
     assert ours.peak_bytes <= 2.5 * unit, ours.peak_bytes / unit
     assert ours.peak_bytes <= 0.4 * stock.peak_bytes, (ours.peak_bytes / unit, stock.peak_bytes / unit)
     # the planner's estimate (measured on the CPU) holds for the CUDA allocator's peak too
-    estimate = wan.WORKING_SETS["block"].bounded(16)
+    estimate = wan.SPEC.measured.working_sets["block"].bounded(16)
     print(f"\nWan block CUDA bf16: stock {stock.peak_bytes / unit:.2f} x |x|, High {ours.peak_bytes / unit:.2f}; "
-          f"planner {wan.WORKING_SETS['block'].stock:.2f} / {estimate:.2f}")
+          f"planner {wan.SPEC.measured.working_sets['block'].stock:.2f} / {estimate:.2f}")
     assert abs(estimate - ours.peak_bytes / unit) <= 0.15 * ours.peak_bytes / unit
 
 

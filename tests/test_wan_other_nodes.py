@@ -149,7 +149,7 @@ def test_a_reapplied_node_replaces_its_own_patch(env):
     twice.add_wrapper_with_key(outer, "zz_probe", probe)
     for _ in range(2):
         comfy_env.run_sample(twice, frames=3, h=8, w=8, steps=1)
-    assert seen == [pytest.approx(1.0), pytest.approx(env.wan.MEMORY_FACTORS.unsplit)]  # scaled once
+    assert seen == [pytest.approx(1.0), pytest.approx(env.wan.SPEC.measured.memory_factors.unsplit)]  # scaled once
 
 
 def test_a_forced_backend_says_the_override_is_unused(env, caplog):

@@ -1,4 +1,4 @@
-"""Test helper: the planner's working-set estimate (an adapter's `WORKING_SETS`, nodes/families/measured.py) against the
+"""Test helper: the planner's working-set estimate (an adapter's `SPEC.measured.working_sets`, nodes/families/measured.py) against the
 peaks a memory test measured with MemTracker. Imported by the adapters' memory tests as
 ``import working_set_check`` (tests/ is on sys.path)."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ def assert_estimates(pack, adapter, kind: str, kv_heads: int, tokens: int, ratio
     call of `tokens` tokens over `kv_heads` key/value heads, in the family's head groups) is within TOLERANCE of
     the measured `ratio_stock` / `ratio_bounded` (peaks in multiples of |x|)."""
     planner = importlib.import_module(f"{pack.__name__}.nodes.planner")
-    groups = pack.qkv_core.SplitPolicy(level, group_scale=adapter.GROUP_SCALE).plan(kv_heads, tokens).groups
-    working_set = adapter.WORKING_SETS[kind]
+    groups = pack.qkv_core.SplitPolicy(level, group_scale=adapter.SPEC.measured.group_scale).plan(kv_heads, tokens).groups
+    working_set = adapter.SPEC.measured.working_sets[kind]
     for what, estimate, measured in (("stock", working_set.stock_on(planner.comfy_release()), ratio_stock),
                                      (f"bounded, {groups} groups", working_set.bounded(groups), ratio_bounded)):
         assert abs(estimate - measured) <= TOLERANCE * measured, (

@@ -1,40 +1,30 @@
 """The model families the pack adapts: one module each (`nodes/families/<module>.py`, the adapter contract of
-`family.py`), and THE registry of them. The registry feeds the patch loop (`nodes/patching.py` tries the
-adapters in its order: the first that matches a model patches it), the patch node's description
-(`nodes/patch_node.py`) and the contract test's cases (`tests/family_cases.py` has one case per registered
-family; `tests/test_family_contract.py` checks that it does).
+`family.py`), and THE registry of them: `FAMILIES`, their `Family` objects (each module's `SPEC`: its name, the
+models it adapts as the node names them, its measured row). The registry feeds the patch loop (`nodes/patching.py`
+tries the adapters in its order: the first that matches a model patches it), the patch node's description
+(`nodes/patch_node.py`), the texts `tests/test_registry_text.py` holds to it and the contract test's cases
+(`tests/family_cases.py` has one case per registered family; `tests/test_family_contract.py` checks that it does).
 
-Adding a family: its module here and one row below (plus its measured constants' row in `measured.py`)."""
+Adding a family: its module here, one line below and its measured row in `measured.py` (docs/design.md §3.2 lists every file it takes)."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 from . import cogvideox, cosmos, flux, hidream, kandinsky5, ltx, lumina, minimax, mochi, qwen_image, sd3, wan
-
-
-class Registered(NamedTuple):
-    """One adapted family: `module`, its adapter's module name under `nodes/families/`; `adapter`, that module;
-    `names`, the models it adapts as the patch node's description names them."""
-
-    module: str
-    adapter: object
-    names: tuple
-
+from .family import Family
 
 # In the order the patch loop tries them.
 FAMILIES = (
-    Registered("wan", wan, ("Wan",)),
-    Registered("flux", flux, ("Flux (1, 2, Chroma)", "HunyuanVideo")),
-    Registered("lumina", lumina, ("Lumina 2 / Z-Image",)),
-    Registered("qwen_image", qwen_image, ("Qwen-Image",)),
-    Registered("kandinsky5", kandinsky5, ("Kandinsky 5",)),
-    Registered("ltx", ltx, ("LTX-Video",)),
-    Registered("sd3", sd3, ("SD3.5",)),
-    Registered("cosmos", cosmos, ("Cosmos",)),
-    Registered("hidream", hidream, ("HiDream",)),
-    Registered("minimax", minimax, ("MiniMax H3",)),
-    Registered("cogvideox", cogvideox, ("CogVideoX",)),
-    Registered("mochi", mochi, ("Mochi",)),
+    wan.SPEC,
+    flux.SPEC,
+    lumina.SPEC,
+    qwen_image.SPEC,
+    kandinsky5.SPEC,
+    ltx.SPEC,
+    sd3.SPEC,
+    cosmos.SPEC,
+    hidream.SPEC,
+    minimax.SPEC,
+    cogvideox.SPEC,
+    mochi.SPEC,
 )
 
 ADAPTERS = tuple(family.adapter for family in FAMILIES)
@@ -46,4 +36,4 @@ def display_names() -> list:
     return [name for family in FAMILIES for name in family.names]
 
 
-__all__ = ["FAMILIES", "ADAPTERS", "MODULES", "Registered", "display_names"]
+__all__ = ["FAMILIES", "ADAPTERS", "MODULES", "Family", "display_names"]

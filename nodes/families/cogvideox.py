@@ -29,11 +29,9 @@ except ImportError:   # a ComfyUI from before CogVideoX (v0.8.0 and older): noth
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend
 from ..block_parts import foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import BlockList, Family, probe_linear, unsliceable_projection
 
 FAMILY = "CogVideoX"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("cogvideox")
 
 FORM = AttentionForm(streams=(StreamProjections(q="q", k="k", v="v", norm_q="norm_q", norm_k="norm_k"),),
                      norm=NORM_PER_HEAD, rope=ROPE_PAIRS)

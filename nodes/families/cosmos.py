@@ -30,11 +30,9 @@ from .. import compat
 from ..attention import NORM_PER_HEAD, ROPE_SPLIT_HALF, AttentionForm, StreamProjections, attend
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import BlockList, Family, probe_heads
 
 FAMILY = "Cosmos"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("cosmos")
 
 STREAM = StreamProjections(q="q_proj", k="k_proj", v="v_proj", norm_q="q_norm", norm_k="k_norm")
 ROTATED = AttentionForm(streams=(STREAM,), norm=NORM_PER_HEAD, rope=ROPE_SPLIT_HALF)   # self-attention

@@ -1,21 +1,23 @@
 """The contract every model-family adapter meets, and the one description of a family that meets most of it.
 
-An adapter is a module of this package (or any object) with the names of `FamilyAdapter`; the registry
-(`nodes/families/__init__.py`) lists them in the order `nodes/patching.py` tries them, and a model none of them
-matches gets the kernel-level patch (`nodes/kernel_patch.py`). Its measured constants are its row of
-`measured.py`.
+An adapter is a module of this package (or any object) with the names of `FamilyAdapter`, its `SPEC` a `Family`;
+the registry (`nodes/families/__init__.py`) lists those `Family` objects in the order `nodes/patching.py` tries
+them, and a model none of them matches gets the kernel-level patch (`nodes/kernel_patch.py`). A `Family` holds its
+row of `measured.py` (`Family.measured`), and `Family.configure(config)` is the one way its constants (split
+floor scale, short runs on stock, group scale) enter a call's configuration.
 
 What every adapter used to write again is here, once: `Family` describes a family (its name, its lists of
 blocks, where the latent's patch size and the key/value heads are read, which projections must have rows, which
 modules are patched and which parts a bounded block computes itself) and answers the rest of the contract from
-that (`matches`, `stock_functions`, `tokens_per_item`, `kv_heads`, `splits_projections`, `block_kinds`, the patch
-loop); `Family.guard` wraps one forward in `compat.guard_module` with the signature, argument binding and check
+that (`matches`, `stock_functions`, `tokens_per_item`, `kv_heads`, `splits_projections`, `block_kinds`, `width`, the
+patch loop, `configure`); `Family.guard` wraps one forward in `compat.guard_module` with the signature, argument binding and check
 inputs every family shares. An adapter keeps what is its own: its attention form, its bounded block, its probes,
 its refusals and the extra fields of its self-check's signature and check inputs.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
@@ -23,7 +25,10 @@ import torch
 from .. import compat
 from ..attention import attribute, is_rms_norm
 from ..comfy_ops import not_row_sliceable, quantizes_inputs
-from .measured import TABLE, MemoryFactors, WorkingSet
+from .measured import TABLE, Measured, MemoryFactors, WorkingSet
+
+# Where the planner reads a model's token width (`Family.width`; a family whose model names it otherwise sets its own).
+WIDTH_NAMES = ("dim", "hidden_size", "inner_dim", "model_dim", "model_channels")
 
 # The self-check's tokens of a second, short stream (the text beside an image): a quarter of its first stream's.
 TEXT_CHECK_TOKENS = compat.CHECK_TOKENS // 4
@@ -32,14 +37,7 @@ TEXT_CHECK_TOKENS = compat.CHECK_TOKENS // 4
 @runtime_checkable
 class FamilyAdapter(Protocol):
     FAMILY: str                      # the name the log and the report use ("Wan")
-    # The measured constants, the family's row of nodes/families/measured.py (where each was measured is there):
-    MEMORY_FACTORS: MemoryFactors
-    WORKING_SETS: dict               # block kind -> WorkingSet; the planner takes the largest of the model's
-    SPLIT_FLOOR_SCALE: float         # the family's split floor as a multiple of the runtime's (>= 1,
-    # `dispatch.family_config`), where its split forwards are bound by the host's launches on shorter sequences
-    SHORT_RUNS_STOCK: bool           # calls under that floor run ComfyUI's own forwards (the planner counts stock's)
-    GROUP_SCALE: float               # the level's head groups times this (> 0): above 1 where a family's attention is
-    # wider than its hidden state, under 1 where its split calls are host-bound (`dispatch.family_config`)
+    SPEC: "Family"                   # the family: its registry entry, measured row (`SPEC.measured`), `configure`
 
     def matches(self, diffusion_model) -> bool:
         """True for the family's diffusion models (by structure, not by class name alone)."""
@@ -62,35 +60,42 @@ class FamilyAdapter(Protocol):
         """None when its q/k/v can be computed by rows (the head split can run), else why not."""
 
     def block_kinds(self, diffusion_model) -> Sequence[str]:
-        """The keys of `WORKING_SETS` for the blocks this model has."""
+        """The keys of `SPEC.measured.working_sets` for the blocks this model has."""
 
 
 def check_adapter(adapter) -> None:
-    """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for a measured constant out of
-    order (factors, working sets, the split floor's scale, the short-runs flag)."""
-    missing = [name for name in ("FAMILY", "MEMORY_FACTORS", "WORKING_SETS", "matches", "patch", "stock_functions",
-                                 "tokens_per_item", "kv_heads", "splits_projections", "block_kinds",
-                                 "SPLIT_FLOOR_SCALE", "SHORT_RUNS_STOCK", "GROUP_SCALE")
-               if not hasattr(adapter, name)]
+    """A `TypeError` naming what `adapter` lacks of the contract, or a `ValueError` for a measured constant of its
+    `SPEC` out of order (`check_measured`)."""
+    missing = [name for name in ("FAMILY", "SPEC", "matches", "patch", "stock_functions", "tokens_per_item",
+                                 "kv_heads", "splits_projections", "block_kinds") if not hasattr(adapter, name)]
     if missing:
         raise TypeError(f"{getattr(adapter, '__name__', adapter)!s} is not a family adapter: it lacks "
                         f"{', '.join(missing)} (see nodes/families/family.py)")
-    factors = adapter.MEMORY_FACTORS
+    check_measured(adapter.FAMILY, adapter.SPEC.measured)
+
+
+def _number(value, least: float, above: bool = False) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and (value > least if above else
+                                                                                 value >= least)
+
+
+def check_measured(family: str, row: Measured) -> None:
+    """A `ValueError` for a constant of `family`'s measured row out of order (factors, working sets, the split
+    floor's scale, the short-runs flag, the group scale)."""
+    factors = row.memory_factors
     if not 0 < factors.split <= factors.unsplit <= 1:
-        raise ValueError(f"{adapter.FAMILY}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
-    for kind, working_set in adapter.WORKING_SETS.items():
+        raise ValueError(f"{family}: memory factors must be 0 < split <= unsplit <= 1, got {factors}")
+    for kind, working_set in row.working_sets.items():
         if not 0 < working_set.bounded(1) <= working_set.stock * 1.5:
-            raise ValueError(f"{adapter.FAMILY}: the {kind} block's working set is out of order: {working_set}")
-    scale = adapter.SPLIT_FLOOR_SCALE
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale >= 1:
-        raise ValueError(f"{adapter.FAMILY}: SPLIT_FLOOR_SCALE must be a number >= 1 (a multiple of the runtime's "
-                         f"split floor), got {scale!r}")
-    group_scale = adapter.GROUP_SCALE
-    if isinstance(group_scale, bool) or not isinstance(group_scale, (int, float)) or not group_scale > 0:
-        raise ValueError(f"{adapter.FAMILY}: GROUP_SCALE must be a number > 0 (a multiple of the level's head "
-                         f"groups), got {group_scale!r}")
-    if not isinstance(adapter.SHORT_RUNS_STOCK, bool):
-        raise ValueError(f"{adapter.FAMILY}: SHORT_RUNS_STOCK must be True or False, got {adapter.SHORT_RUNS_STOCK!r}")
+            raise ValueError(f"{family}: the {kind} block's working set is out of order: {working_set}")
+    if not _number(row.split_floor_scale, 1):
+        raise ValueError(f"{family}: split_floor_scale must be a number >= 1 (a multiple of the runtime's split "
+                         f"floor), got {row.split_floor_scale!r}")
+    if not _number(row.group_scale, 0, above=True):
+        raise ValueError(f"{family}: group_scale must be a number > 0 (a multiple of the level's head groups), got "
+                         f"{row.group_scale!r}")
+    if not isinstance(row.short_runs_stock, bool):
+        raise ValueError(f"{family}: short_runs_stock must be True or False, got {row.short_runs_stock!r}")
 
 
 def unsliceable_projection(module, names: Sequence[str], where: str = "") -> Optional[str]:
@@ -135,7 +140,7 @@ def patch_module(patcher, report, family: str, path: str, what: str, make_forwar
 @dataclasses.dataclass(frozen=True)
 class BlockList:
     """One list of a family's transformer blocks: the diffusion model's ModuleList `attribute`; `kind`, the key of
-    the family's `WORKING_SETS` its blocks are; `label`, what the patch report calls one of them; `cls`, only
+    the family's `measured.working_sets` its blocks are; `label`, what the patch report calls one of them; `cls`, only
     blocks of that class count (None: every entry); `inner`, each entry holds its block in that attribute
     (HiDream's wrappers); `accepts(block)`, a further test a block must pass."""
 
@@ -181,7 +186,9 @@ class Family:
     functions); `patch_parts`: the parts another node's object patch on one of which keeps the block
     ComfyUI's (None: all its children). `model_class`: the diffusion model's class, where `matches` asks it;
     `first_block`: (attribute, class) the first block's attribute must be for `matches` (else: any bounded
-    block)."""
+    block). `names`: the models it adapts as the patch node's description names them (None: `name`).
+    `width_names`: the diffusion model's attributes its token width may be in, tried in order (`width`).
+    `measured`: its row of `measured.py` (None: the row keyed by `module`)."""
 
     name: str
     module: str
@@ -201,10 +208,39 @@ class Family:
     patch_parts: Optional[tuple] = ()
     model_class: Optional[type] = None
     first_block: Optional[tuple] = None
+    names: Optional[tuple] = None
+    width_names: tuple = WIDTH_NAMES
+    measured: Optional[Measured] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if self.names is None:
+            object.__setattr__(self, "names", (self.name,))
+        if self.measured is None:
+            object.__setattr__(self, "measured", TABLE[self.module])
 
     @property
-    def short_runs_stock(self) -> bool:
-        return TABLE[self.module].short_runs_stock
+    def adapter(self):
+        """The family's adapter: its module `nodes/families/<module>.py`."""
+        return importlib.import_module(f"{__package__}.{self.module}")
+
+    def configure(self, config):
+        """`config` (a `dispatch.QKVConfig`) with the family's split policy from its measured row: its floor
+        (`split_floor_scale` x the runtime's), `short_runs_stock` and `group_scale`. The one way these constants
+        enter a call's configuration: the patch loop, the memory estimate and the planner ask it."""
+        row = self.measured
+        wanted = (row.split_floor_scale, row.short_runs_stock, row.group_scale)
+        if (config.floor_scale, config.short_runs_stock, config.group_scale) == wanted:
+            return config
+        return config._replace(floor_scale=wanted[0], short_runs_stock=wanted[1], group_scale=wanted[2])
+
+    def width(self, diffusion_model) -> Optional[int]:
+        """The width of the model's token activations: its first `width_names` attribute that is a positive int
+        (None without one)."""
+        for name in self.width_names:
+            value = getattr(diffusion_model, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
 
     # --- the model's blocks ----------------------------------------------------------------------------------
     def blocks(self, model):
@@ -287,7 +323,7 @@ class Family:
         return unsliceable_projection(attribute(self.first(diffusion_model), owner), names, where)
 
     def block_kinds(self, diffusion_model) -> tuple:
-        """The `WORKING_SETS` keys of the model's blocks: the one kind of the family's lists, or those of the
+        """The `measured.working_sets` keys of the model's blocks: the one kind of the family's lists, or those of the
         blocks it has."""
         kinds = {blocks.kind for blocks in self.block_lists}
         if len(kinds) == 1:
@@ -341,14 +377,10 @@ class Family:
           `cut` slices with them (`first_tokens`);
         - ComfyUI's forward for a call with another node's hooks `hooks_inside` (those ComfyUI's forward calls on
           whole q/k/v, which the head split never holds), else as `refuse_call(bound)` says;
-        - whether its layers quantize their inputs (a looser tolerance);
-        - the family's `short_runs_stock` and `group_scale` in `config`'s split policy (what the patch loop's
-          `family_config` sets: a forward made for a plain config splits as the patched model's).
+        - whether its layers quantize their inputs (a looser tolerance).
+        `config` splits as it says: the patch loop gives it the family's policy (`configure`).
         `residual`, `refuse_more`, `routed`, `agree`: as `compat.guard_module` takes them."""
         names = tuple(names)
-        row = TABLE[self.module]
-        if (config.short_runs_stock, config.group_scale) != (row.short_runs_stock, row.group_scale):
-            config = config._replace(short_runs_stock=row.short_runs_stock, group_scale=row.group_scale)
         functions = functions or (lambda: self.functions(module))
 
         def refuse(bound: dict) -> Optional[str]:
@@ -450,6 +482,6 @@ def stream_rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t[:, :n].clone()
 
 
-__all__ = ["FamilyAdapter", "check_adapter", "unsliceable_projection", "patch_module", "MemoryFactors", "WorkingSet",
+__all__ = ["FamilyAdapter", "check_adapter", "check_measured", "WIDTH_NAMES", "unsliceable_projection", "patch_module", "MemoryFactors", "WorkingSet",
            "BlockList", "Family", "first_tokens", "layout", "stream_rows", "TEXT_CHECK_TOKENS", "probe_heads",
            "probe_linear", "probe_norms", "probe_part"]

@@ -26,11 +26,9 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, token_freqs
 from ..block_parts import chunk_scale, foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, token_ranges
-from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, stream_rows, unsliceable_projection
 
 FAMILY = "Flux"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("flux")
 
 DOUBLE = AttentionForm(streams=(
     StreamProjections(fused="txt_attn.qkv", norm_q="txt_attn.norm.query_norm", norm_k="txt_attn.norm.key_norm"),
@@ -62,7 +60,8 @@ HOOKS_RUN_INSIDE = ("attn1_patch", "attn1_output_patch")   # hooks the stock blo
 SPEC = Family(FAMILY, "flux", (BlockList("double_blocks", kind="double", label="double block",
                                          cls=flux_layers.DoubleStreamBlock),
                                BlockList("single_blocks", kind="single", label="single block",
-                                         cls=flux_layers.SingleStreamBlock)), blocks_always=True)
+                                         cls=flux_layers.SingleStreamBlock)), blocks_always=True,
+              names=("Flux (1, 2, Chroma)", "HunyuanVideo"))
 
 
 # --- probes -------------------------------------------------------------------------------------------------

@@ -34,12 +34,10 @@ import comfy.ldm.hidream.model as hidream_model
 from .. import compat
 from ..attention import AttentionForm, NORM_SPANS_HEADS, ROPE_PAIRS, StreamProjections, attend
 from ..block_parts import SWIGLU, chunk_scale, foreign_part, output_projection_, projection_residual_
-from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, probe_linear, probe_norms
 from .hidream_moe import add_gated, feed_forward_, is_moe, modulate_, moe_functions
 
 FAMILY = "HiDream"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("hidream")
 
 IMAGE = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_rms_norm", norm_k="k_rms_norm")
 TEXT = StreamProjections(q="to_q_t", k="to_k_t", v="to_v_t", norm_q="q_rms_norm_t", norm_k="k_rms_norm_t")
@@ -51,7 +49,7 @@ ATTENTION_ARGS = ("norm_image_tokens", "image_tokens_masks", "norm_text_tokens",
 BLOCK_ARGS = ("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input", "rope", "transformer_options")
 # Keys kept from the spanning norm's statistics pass: all of them with the attention patched alone (the block's
 # peak is then its MoE feed-forward's, far above the attention's), 10% in the bounded block: in its 10 groups
-# (GROUP_SCALE 0.5) the double block at 2048^2 held 2.57 x |x| keeping 30% (as Wan's and LTX's), 2.36 keeping 10%,
+# (group_scale 0.5) the double block at 2048^2 held 2.57 x |x| keeping 30% (as Wan's and LTX's), 2.36 keeping 10%,
 # at 1.03x and 1.00x stock's time on an H200; none kept, 1.06x.
 ATTENTION_KEPT_KEYS = 1.0
 BLOCK_KEPT_KEYS = 0.1

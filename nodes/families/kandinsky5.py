@@ -33,11 +33,9 @@ except ImportError:   # a ComfyUI from before Kandinsky 5 (v0.3.x): nothing matc
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import foreign_part, mlp_residual_
 from ..comfy_ops import chunk_tokens, linear_handed_off, token_ranges
-from . import measured
 from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Kandinsky5"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("kandinsky5")
 # The text blocks' self-attention is patched, the visual blocks bounded whole (their parts: every child).
 SPEC = Family(FAMILY, "kandinsky5", (BlockList("text_transformer_blocks"), BlockList("visual_transformer_blocks")),
               patch_default=(1, 2, 2), kv_heads_at="block.self_attention.num_heads",
@@ -45,7 +43,8 @@ SPEC = Family(FAMILY, "kandinsky5", (BlockList("text_transformer_blocks"), Block
               attention_cls=getattr(kandinsky_model, "SelfAttention", None), attention_label="self-attention",
               bounded=lambda block: kandinsky_model is not None and isinstance(
                   block, kandinsky_model.TransformerDecoderBlock),
-              stock_parts=("self_attention", "cross_attention", "feed_forward"), patch_parts=None)
+              stock_parts=("self_attention", "cross_attention", "feed_forward"), patch_parts=None,
+              names=("Kandinsky 5",))
 
 SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="to_query", k="to_key", v="to_value",
                                                           norm_q="query_norm", norm_k="key_norm"),),

@@ -39,11 +39,9 @@ from ..attention import (AttentionForm, NORM_SPANS_HEADS, ROPE_COS_SIN, ROPE_COS
                         ROPE_SPLIT_HALF, StreamProjections, attend)
 from ..block_parts import foreign_part, mlp_residual_, output_projection_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import BlockList, Family, probe_heads
 
 FAMILY = "LTX"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("ltx")
 
 STREAM = StreamProjections(q="to_q", k="to_k", v="to_v", norm_q="q_norm", norm_k="k_norm")
 FORMS = {kind: AttentionForm(streams=(STREAM,), norm=NORM_SPANS_HEADS, rope=kind)
@@ -292,7 +290,8 @@ SPEC = Family(FAMILY, "ltx", (BlockList("transformer_blocks"),), latent_ranks=(5
               attention_cls=ltx_model.CrossAttention,
               bounded=lambda block: type(block) is ltx_model.BasicTransformerBlock,
               unbounded_note="keeps ComfyUI's forward (its attention modules are patched)", stock_parts=BLOCK_PARTS,
-              patch_parts=BLOCK_PARTS, first_block=("attn1", ltx_model.CrossAttention))
+              patch_parts=BLOCK_PARTS, first_block=("attn1", ltx_model.CrossAttention),
+              names=("LTX-Video",))
 
 
 def _mask_layout(mask):

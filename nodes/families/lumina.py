@@ -35,11 +35,9 @@ import comfy.ldm.lumina.model as lumina_model
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjections, attend, is_rms_norm
 from ..block_parts import GatedMLP, foreign_part, mlp_residual_
 from ..comfy_ops import chunk_tokens, linear_handed_off, token_ranges
-from . import measured
 from .family import BlockList, Family, layout, probe_part
 
 FAMILY = "Lumina2"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("lumina")
 
 NORMED = AttentionForm(streams=(StreamProjections(fused="qkv", norm_q="q_norm", norm_k="k_norm"),),
                        norm=NORM_PER_HEAD, rope=ROPE_PAIRS)
@@ -56,7 +54,7 @@ SPEC = Family(FAMILY, "lumina", tuple(BlockList(name, cls=lumina_model.JointTran
                                       for name in ("context_refiner", "siglip_refiner", "noise_refiner", "layers")),
               kv_heads_at="block.attention.n_local_kv_heads", projections=("attention", ("qkv",), ""),
               attentions=("attention",), attention_cls=lumina_model.JointAttention,
-              stock_parts=("attention", "feed_forward"), patch_parts=BLOCK_PARTS)
+              stock_parts=("attention", "feed_forward"), patch_parts=BLOCK_PARTS, names=("Lumina 2 / Z-Image",))
 
 
 def _clamp_fp16(t: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Every family's measured constants, in one table: the memory factors ComfyUI's estimate is scaled by, the
 working sets the planner estimates with, the split floor's scale and whether calls under that floor run
 ComfyUI's own forwards. Each row says where its numbers were measured (a section of docs/benchmarks.md); each
-adapter reads its row (`constants`), and `family.py`'s `check_adapter` checks every field.
+family's `Family` holds its row (`Family.measured`; `Family.configure` puts the split policy's fields in a call's
+configuration), and `family.py`'s `check_measured` checks every field.
 
 Adding a family: its row here, keyed by its module's name under `nodes/families/` (the registry's `module`)."""
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Measured:
     `memory_factors`: the share of ComfyUI's activation estimate a patched run needs (`MemoryFactors`, from
     whole models: `memory_where`). `working_sets`: block kind -> `WorkingSet`, the planner's estimate of a block's
     peak (CPU MemTracker: `working_sets_where`). `split_floor_scale`: the family's split floor as a multiple of the
-    runtime's (`dispatch.family_config`), where its split forwards are bound by the host's launches on shorter
+    runtime's (`Family.configure`), where its split forwards are bound by the host's launches on shorter
     sequences; `short_runs_stock`: calls whose sequences are all under that floor run ComfyUI's own forwards
     (`compat.guard_module`; the planner then counts stock's peak there): both measured where `floor_where` says.
     `group_scale`: the level's target count of head groups times this (`SplitPolicy.group_scale`): above 1 for a
@@ -94,11 +95,6 @@ class Measured:
     memory_where: str = f"{BENCHMARKS}#family-models"
     working_sets_where: str = f"{BENCHMARKS}#planner"
     floor_where: str = f"{BENCHMARKS}#split-floors"
-
-    def constants(self) -> tuple:
-        """(MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE): the adapter contract's
-        names."""
-        return self.memory_factors, self.working_sets, self.split_floor_scale, self.short_runs_stock, self.group_scale
 
     def anchors(self) -> tuple:
         """Every `docs/benchmarks.md#anchor` the row cites."""
@@ -231,10 +227,4 @@ TABLE = {
 }
 
 
-def constants(module: str) -> tuple:
-    """The row of the family whose adapter is `nodes/families/<module>.py`, as its contract names:
-    `MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("wan")`."""
-    return TABLE[module].constants()
-
-
-__all__ = ["MemoryFactors", "WorkingSet", "PER_GROUP", "Measured", "TABLE", "constants", "BENCHMARKS", "V0_8"]
+__all__ = ["MemoryFactors", "WorkingSet", "PER_GROUP", "Measured", "TABLE", "BENCHMARKS", "V0_8"]

@@ -40,11 +40,9 @@ from .. import compat
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_SPLIT_HALF, StreamProjections, attend
 from ..block_parts import mlp_residual_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import BlockList, Family, layout, probe_heads, probe_linear, probe_part
 
 FAMILY = "MiniMax H3"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("minimax")
 
 FORM = AttentionForm(streams=(StreamProjections(fused="qkv_proj", norm_q="q_norm", norm_k="k_norm"),),
                      norm=NORM_PER_HEAD, rope=ROPE_SPLIT_HALF)

@@ -32,11 +32,9 @@ except ImportError:   # a ComfyUI without Mochi: nothing matches
 from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_COS_SIN_PAIRS, StreamProjections, attend
 from ..block_parts import foreign_part, mlp_residual_, output_projection_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import BlockList, Family, probe_heads, probe_linear, probe_part
 
 FAMILY = "Mochi"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("mochi")
 
 VIDEO = StreamProjections(fused="qkv_x", norm_q="q_norm_x", norm_k="k_norm_x")
 TEXT = StreamProjections(fused="qkv_y", norm_q="q_norm_y", norm_k="k_norm_y")
@@ -50,7 +48,7 @@ SPEC = Family(FAMILY, "mochi",
               latent_ranks=(5,), patch_size=(None, "patch_size", "patch_size"), kv_heads_at="block.attn.num_heads",
               projections=("attn", ("qkv_x", "qkv_y"), "attn."), attentions=("attn",),
               attention_cls=getattr(mochi_model, "AsymmetricAttention", None), stock_parts=("attn",),
-              patch_parts=None)
+              patch_parts=None, width_names=("hidden_size_x",))   # its video's width
 
 
 # --- probes -----------------------------------------------------------------------------------------------------

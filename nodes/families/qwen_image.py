@@ -31,13 +31,11 @@ from ..attention import AttentionForm, NORM_PER_HEAD, ROPE_PAIRS, StreamProjecti
 from ..block_parts import (chunk_scale, foreign_part, mlp_residual_, modulated_layer_norm_args, projection_residual_,
                           run_modulated_layer_norm)
 from ..comfy_ops import chunk_tokens, module_attr, token_ranges
-from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, layout, probe_linear
 
 FAMILY = "Qwen-Image"
 STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None)
 
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("qwen_image")
 
 # Split, the block's output projections and MLPs take token chunks twice block_parts' default (a quarter of the
 # tokens): they then hold the outputs, the attention and a chunk's product (2.07 + 0.25 x|x|), or the outputs and

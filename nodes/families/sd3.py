@@ -30,11 +30,9 @@ import comfy.ldm.modules.diffusionmodules.mmdit as mmdit
 from ..attention import AttentionForm, NORM_PER_HEAD, StreamProjections, attend
 from ..block_parts import SWIGLU, foreign_part, mlp_residual_, projection_residual_
 from ..comfy_ops import chunk_tokens, token_ranges
-from . import measured
 from .family import TEXT_CHECK_TOKENS, BlockList, Family, stream_rows
 
 FAMILY = "SD3"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("sd3")
 
 # One stream of a `SelfAttention`: fused [q, k, v] and its per-head norms (names inside the SelfAttention).
 STREAM = StreamProjections(fused="qkv", norm_q="ln_q", norm_k="ln_k")
@@ -258,7 +256,7 @@ class _SD3(Family):
 
 # Every `JointBlock` of an MMDiT, patched whatever block bounds say (its forward holds the joint attention).
 SPEC = _SD3(FAMILY, "sd3", (BlockList("joint_blocks", label="joint block", cls=mmdit.JointBlock),), latent_ranks=(4,),
-            projections=("x_block.attn", ("qkv",), "x_block.attn."), blocks_always=True)
+            projections=("x_block.attn", ("qkv",), "x_block.attn."), blocks_always=True, names=("SD3.5",))
 
 
 def _refuse_call(bound) -> Optional[str]:

@@ -26,11 +26,9 @@ from ..attention import (NORM_SPANS_HEADS, ROPE_PAIRS, AttentionForm, SpanningNo
 from ..block_parts import foreign_part, mlp_residual_, modulated_layer_norm, output_projection_
 from ..comfy_ops import CastLinear, ComfyLinearRows, chunk_tokens, even_chunk_tokens, linear_handed_off, token_ranges
 from ..dispatch import attend_group, attention_kwargs
-from . import measured
 from .family import BlockList, Family, probe_linear
 
 FAMILY = "Wan"
-MEMORY_FACTORS, WORKING_SETS, SPLIT_FLOOR_SCALE, SHORT_RUNS_STOCK, GROUP_SCALE = measured.constants("wan")
 
 
 def _norm_ok(module, name: str, dim: int) -> Optional[str]:
