@@ -118,7 +118,7 @@ def main(argv=None):
     for name, ms, peak, mib in rows:
         print(f"| {name} | {ms:.1f} | {peak:.2f} | {mib:.0f} |")
     print(f"native prefix kept natively: {is_native}; native / joined time: {rows[1][1] / rows[0][1]:.3f}")
-    print(qc.drain_notices())
+    print([str(notice) for notice in qc.drain_notices()])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, ulysses_qkv_attention
-from ..qkv_core.notices import notice_once
+from ..qkv_core.notices import PASSED_OVER, Notice, notice_once
 from .comfy_ops import ComfyLinearRows
 from .dispatch import AUTO, COMFY, attention_kwargs
 from .norm_rope import PerHeadNormRope, SpanningNormRope
@@ -204,8 +204,10 @@ def attend_sequence_parallel(module, form: AttentionForm, x_list: list, heads: i
                                  heads, head_dim, freqs if form.rope is not None else None, rope=form.rope)
     options = config.policy.call_options()
     if config.backend == COMFY:
-        notice_once("sequence-parallel:comfy", "[QKV] attention_backend=comfy: the sequence-parallel exchange "
-                                               "attends each head group with the pack's own backends (as auto)")
+        notice_once("sequence-parallel:comfy", Notice(
+            PASSED_OVER, "attention_backend=comfy", "the sequence-parallel exchange attends with the pack's own",
+            "[QKV] attention_backend=comfy: the sequence-parallel exchange attends each head group with the "
+            "pack's own backends (as auto)"))
     elif config.backend != AUTO:
         options["force_attention"] = config.backend
     return ulysses_qkv_attention(x_list, q, k, v, heads, head_dim, norm_rope, group=group,

@@ -32,7 +32,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..qkv_core.notices import muted, notice_once
+from ..qkv_core.notices import FALLBACK, SHORT_CALL, Notice, muted, notice_once
 from ..qkv_core.tally import not_counted
 from .check_inputs import (CHECK_ITEMS, CHECK_TOKENS, check_items, check_tokens, exact_reference, fresh_inputs,
                            probe_options, uniform_case)
@@ -360,9 +360,11 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
         finally:
             _local.trees = outer
         if isinstance(reason, ShortCall):
-            notice_once(f"short:{what}", f"[QKV] {what}: {SHORT_CALL_NOTICE} ({reason})")
+            notice_once(f"short:{what}", Notice(SHORT_CALL, what, str(reason),
+                                                f"[QKV] {what}: {SHORT_CALL_NOTICE} ({reason})"))
         elif reason is not None:
-            notice_once(f"stock:{what}:{reason}", f"[QKV] {what} runs as ComfyUI's own: {reason}")
+            notice_once(f"stock:{what}:{reason}", Notice(FALLBACK, what, str(reason),
+                                                         f"[QKV] {what} runs as ComfyUI's own: {reason}"))
         return None if reason is None else "stock"
 
     decide = torch.compiler.disable(decide, reason="QKV: the guards and the self-check run eagerly")

@@ -15,7 +15,7 @@ import torch
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import LEVEL_NAMES, SplitPolicy, backend_names, pay_attention
-from ..qkv_core.notices import notice_once
+from ..qkv_core.notices import PASSED_OVER, Notice, notice_once
 from ..qkv_core.tally import count_attention
 
 AUTO, COMFY = "auto", "comfy"
@@ -124,10 +124,11 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
     split = config.policy.call_options()
     picked = layer_kernel(module)
     if picked is not None and config.backend not in (AUTO, COMFY):
-        notice_once(f"layer-kernel:{config.backend}",
-                    f"[QKV] the model file picks {getattr(picked, '__name__', 'a kernel')} for its attention "
-                    f"layers; attention_backend={config.backend} runs its own kernel instead (pick auto to use "
-                    f"the file's)")
+        kernel = getattr(picked, '__name__', 'a kernel')
+        notice_once(f"layer-kernel:{config.backend}", Notice(
+            PASSED_OVER, kernel, f"attention_backend={config.backend} runs its own kernel",
+            f"[QKV] the model file picks {kernel} for its attention layers; attention_backend={config.backend} "
+            f"runs its own kernel instead (pick auto to use the file's)"))
     if uses_comfy_dispatch(config, transformer_options) or (picked is not None and config.backend == AUTO):
         # the file's kernel (ComfyUI's dispatcher runs it) takes the pack's head groups as it takes all heads
         preferred = getattr(module, "comfy_attention", None)
@@ -147,9 +148,10 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
         mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
         split["attention_mask"] = mask.unsqueeze(1) if mask.dim() == 3 else mask
     if "optimized_attention_override" in transformer_options:
-        notice_once(f"override:{config.backend}",
-                    f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override "
-                    f"another node set is not used (pick auto or comfy to keep it)")
+        notice_once(f"override:{config.backend}", Notice(
+            PASSED_OVER, "optimized_attention_override", f"attention_backend={config.backend} runs its own kernel",
+            f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override another node "
+            f"set is not used (pick auto or comfy to keep it)"))
     return ({} if config.backend == AUTO else {"force_attention": config.backend}) | split
 
 

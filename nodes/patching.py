@@ -8,11 +8,12 @@ import torch
 import comfy.patcher_extension
 
 from ..qkv_core import drain_notices, drain_tally, reset_notices
+from ..qkv_core.notices import FALLBACK, Notice
 from . import compat, kernel_patch, planner, reference_cache
 from .dispatch import LEVELS, QKVConfig, backend_choices
 from .families import ADAPTERS
 from .families.family import check_adapter
-from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui, stock_fallback
+from .report import UI_EVENT, PatchReport, RunReport, logger, send_to_ui
 
 WRAPPER_KEY = "comfyui_qkv"
 RUN_WRAPPER_KINDS = (comfy.patcher_extension.WrappersMP.OUTER_SAMPLE,
@@ -65,7 +66,7 @@ class _ActiveRun:
 
     def __init__(self, run: RunReport, base_model, stock_factor: float, factor: float):
         self.run, self.base_model, self.stock_factor, self.factor = run, base_model, stock_factor, factor
-        self.notices: list[str] = []
+        self.notices: list[Notice] = []
 
     def watch(self) -> None:
         """Before each batch of conds (ComfyUI sizes it from the model's estimate): the notices so far are kept
@@ -75,7 +76,7 @@ class _ActiveRun:
         if not notices:
             return
         self.notices += notices
-        if self.factor != 1.0 and any(stock_fallback(line) for line in notices):
+        if self.factor != 1.0 and any(notice.kind == FALLBACK for notice in notices):
             self.base_model.memory_usage_factor = self.stock_factor
             self.factor = 1.0
             self.run.estimate_restored = True
@@ -171,9 +172,8 @@ def finish_report(run: RunReport, patcher, adapter, diffusion_model, shape, conf
     run.kernels, run.splits = tally.kernels, tally.splits
     notices = list(earlier_notices) + drain_notices()
     # not fallbacks: chosen (a family's short sequences on ComfyUI's forwards, auto passing a backend by)
-    by_design = [line for line in notices if compat.SHORT_CALL_NOTICE in line or line.startswith("[Attention] auto:")]
-    run.fallbacks = [line for line in notices if line not in by_design]
-    run.notes = by_design
+    run.fallbacks = [notice for notice in notices if not notice.by_design]
+    run.notes = [notice for notice in notices if notice.by_design]
     run.caches = reference_cache.summaries(patcher)
     if cuda:
         run.peak_bytes = torch.cuda.max_memory_allocated()

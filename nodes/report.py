@@ -3,9 +3,10 @@ notices and the measured peak) after each sampling run."""
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter, OrderedDict
 from typing import Optional
+
+from ..qkv_core.notices import FALLBACK, SKIPPED, Notice
 
 logger = logging.getLogger("ComfyUI-QKV")
 
@@ -13,14 +14,22 @@ logger = logging.getLogger("ComfyUI-QKV")
 class PatchReport:
     def __init__(self):
         self.patched_counts: Counter = Counter()          # (family, what) -> modules
-        self.skipped_reasons: "OrderedDict[tuple, list]" = OrderedDict()  # (family, reason) -> paths
+        self.skips: list[Notice] = []                     # one `SKIPPED` notice a module left as it was
         self.notes: list[str] = []
 
     def patched(self, family: str, what: str, path: str) -> None:
         self.patched_counts[(family, what)] += 1
 
     def skipped(self, family: str, path: str, reason: str) -> None:
-        self.skipped_reasons.setdefault((family, reason), []).append(path)
+        self.skips.append(Notice(SKIPPED, path, reason, f"{family}: {path} runs as before: {reason}", family))
+
+    @property
+    def skipped_reasons(self) -> "OrderedDict[tuple, list]":
+        """(family, reason) -> the paths skipped for it, in the order first seen."""
+        grouped: "OrderedDict[tuple, list]" = OrderedDict()
+        for skip in self.skips:
+            grouped.setdefault((skip.family, skip.reason), []).append(skip.subject)
+        return grouped
 
     def note(self, line: str) -> None:
         self.notes.append(line)
@@ -41,17 +50,6 @@ class PatchReport:
     def log(self) -> None:
         for line in self.lines():
             logger.info("[QKV] %s", line)
-
-
-# What `compat.guarded` logs (once a run) when a forward runs ComfyUI's own instead of the pack's: a failed
-# self-check, gradients, arguments the pack does not know, another node's hook or patch.
-_RAN_STOCK = re.compile(r"^\[QKV\] (?P<what>.+?) runs as ComfyUI's own: (?P<reason>.*)$", re.DOTALL)
-
-
-def stock_fallback(line: str) -> Optional[tuple[str, str]]:
-    """(what, why) when `line` (a runtime notice) says a module ran ComfyUI's own forward, else None."""
-    match = _RAN_STOCK.match(line)
-    return (match["what"], match["reason"]) if match else None
 
 
 # How much of the pack's saving a run had (`RunReport.saving`; web/qkv_bar.js draws each its own way)
@@ -80,11 +78,11 @@ def send_to_ui(event: str, payload: dict) -> bool:
 class RunReport:
     """What one sampling run of a patched model did, for the log (one compact block) and the node in the
     browser (`as_payload`): the patch (`patch`, a PatchReport), the backends that ran and the head groups
-    (`qkv_core.Tally`), the fallbacks (the runtime's notices), the reference caches, the peak VRAM beside
+    (`qkv_core.Tally`), the fallbacks and notes (the runtime's `Notice`s), the reference caches, the peak VRAM beside
     the planner's estimates (`plan`, nodes/planner.py), and how the run ended.
 
     A run in which a patched module ran ComfyUI's own forward (a failed self-check, gradients on, another
-    node's hook: `stock_fallback`) did not have the pack's saving there: the report's first line says so, what ran
+    node's hook: a `FALLBACK` notice) did not have the pack's saving there: the report's first line says so, what ran
     ComfyUI's own and why (`headline`), `saving` tells the browser (no bar drawn as a saving), and the peak is
     not set against a stock estimate (it is stock's, or part of it is)."""
 
@@ -92,8 +90,8 @@ class RunReport:
         self.family, self.settings, self.patch = family, settings, patch
         self.kernels: dict = {}
         self.splits: dict = {}
-        self.fallbacks: list[str] = []
-        self.notes: list[str] = []   # what ran ComfyUI's own by design (short sequences of some families)
+        self.fallbacks: list[Notice] = []   # every notice not by design (a module on ComfyUI's forward, a backend
+        self.notes: list[Notice] = []       # passed over...); notes: chosen (short sequences, auto's choices)
         self.caches: list[dict] = []
         self.plan = None          # planner.Plan for the run's shapes, or None
         self.level = None         # the level the run used (a key of the plan's levels)
@@ -105,7 +103,8 @@ class RunReport:
     @property
     def ran_stock(self) -> list[tuple[str, str]]:
         """(what, why) of each kind of module that ran ComfyUI's own forward in this run, in order, once each."""
-        return list(dict.fromkeys(found for found in map(stock_fallback, self.fallbacks) if found))
+        return list(dict.fromkeys((notice.subject, notice.reason) for notice in self.fallbacks
+                                  if notice.kind == FALLBACK))
 
     @property
     def saving(self) -> str:
@@ -196,7 +195,11 @@ class RunReport:
                 "memory_estimate": None if self.estimate is None else
                 {"factor": self.estimate[0], "why": self.estimate[1], "restored": self.estimate_restored},
                 "backends": self.kernels, "head_groups": {str(k): v for k, v in self.splits.items()},
-                "fallbacks": list(self.fallbacks), "notes": list(self.notes), "reference_caches": list(self.caches),
+                "fallbacks": [str(notice) for notice in self.fallbacks],
+                "notes": [str(notice) for notice in self.notes],
+                "notices": [{"kind": notice.kind, "subject": notice.subject, "reason": notice.reason}
+                            for notice in self.fallbacks + self.notes],
+                "reference_caches": list(self.caches),
                 "peak_bytes": self.peak_bytes, "stock_estimate_bytes": self.stock_estimate_bytes,
                 "estimate_bytes": self.estimate_bytes, "level": self.level,
                 "plan": None if self.plan is None else self.plan.as_dict()}

@@ -19,12 +19,13 @@ The public API is what the node pack and a model author use; everything else is 
 - backends: `pay_attention`, `backend_names`, `native_prefix_kit`;
 - key/value prefixes: `KVPrefix`, `cache_prefix`, `q8_prefix`, `dequantize_prefix`, `PrefixCache`,
   `PrefixLayer`;
-- what a run did: `drain_notices`, `reset_notices`, `drain_tally`, `Tally`.
+- what a run did: `drain_notices`, `reset_notices` (`Notice` objects; kinds in `qkv_core.notices`), `drain_tally`,
+  `Tally`.
 """
 from .backends import backend_names, native_prefix_kit, pay_attention
 from .head_split import (LEVEL_NAMES, SPLIT_FLOOR_TOKENS, HeadGroup, SplitPlan, SplitPolicy, group_count,
                          parse_level, split_plan)
-from .notices import drain_notices, reset_notices
+from .notices import Notice, drain_notices, reset_notices
 from .options import AttentionOptions
 from .prefix import KVPrefix, PrefixCache, PrefixLayer, cache_prefix, dequantize_prefix, q8_prefix
 from .projections import FusedRows, PreparedProjection, RowProjection, RowsOnDemand, WeightRows, WholeProjection
@@ -43,5 +44,5 @@ __all__ = [
     "RowProjection", "PreparedProjection", "WeightRows", "RowsOnDemand", "WholeProjection", "FusedRows",
     "pay_attention", "backend_names", "native_prefix_kit",
     "KVPrefix", "cache_prefix", "q8_prefix", "dequantize_prefix", "PrefixCache", "PrefixLayer",
-    "drain_notices", "reset_notices", "drain_tally", "Tally",
+    "Notice", "drain_notices", "reset_notices", "drain_tally", "Tally",
 ]

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .notices import notice_once
+from .notices import AUTO_CHOICE, PASSED_OVER, Notice, notice_once
 from .staged_core import StagedCore
 from .tally import count_attention
 
@@ -378,14 +378,16 @@ def auto_measured(backend: AttentionBackend, q) -> bool:
                 theirs = _measure_seconds(_REGISTRY["sdpa"], shape, q.dtype, device)
         except Exception as error:  # noqa: BLE001 - a kernel that fails to run here is simply not chosen
             _MEASURED[key] = False
-            notice_once(f"measured:{key}", f"[Attention] auto: {backend.name} could not be measured on {key[0]} "
-                                           f"({type(error).__name__}: {error}); SDPA is used")
+            why = f"could not be measured on {key[0]} ({type(error).__name__}: {error})"
+            notice_once(f"measured:{key}", Notice(AUTO_CHOICE, backend.name, why,
+                                                  f"[Attention] auto: {backend.name} {why}; SDPA is used"))
             return False
         _MEASURED[key] = mine < theirs
         winner = backend.name if mine < theirs else "sdpa"
-        notice_once(f"measured:{key}", f"[Attention] auto: measured on {key[0]}, head dim {key[2]}, {key[3]}: "
-                                       f"{backend.name} {mine * 1000:.2f} ms, sdpa {theirs * 1000:.2f} ms "
-                                       f"({MEASURE_TOKENS} tokens x {MEASURE_HEADS} heads): {winner} is used")
+        why = (f"measured on {key[0]}, head dim {key[2]}, {key[3]}: {backend.name} {mine * 1000:.2f} ms, "
+               f"sdpa {theirs * 1000:.2f} ms ({MEASURE_TOKENS} tokens x {MEASURE_HEADS} heads)")
+        notice_once(f"measured:{key}", Notice(AUTO_CHOICE, backend.name, why,
+                                              f"[Attention] auto: {why}: {winner} is used"))
     return _MEASURED[key]
 
 
@@ -403,13 +405,14 @@ def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Opt
             continue   # slower than SDPA on this GPU (measured once)
         declined = backend.auto_declines(q, k, mask) if reason is None and choice == AUTO else None
         if declined is not None:
-            notice_once(f"auto-declines:{name}:{declined}", f"[Attention] auto: {name} is not used for {declined}")
+            notice_once(f"auto-declines:{name}:{declined}",
+                        Notice(AUTO_CHOICE, name, declined, f"[Attention] auto: {name} is not used for {declined}"))
             continue
         if reason is None:
             return backend
         if choice != AUTO and name == choice:
-            notice_once(f"backend:{name}:{reason}",
-                        f"[Attention] {name} backend not used: {reason}; falling back to the next one")
+            notice_once(f"backend:{name}:{reason}", Notice(PASSED_OVER, name, reason, (
+                f"[Attention] {name} backend not used: {reason}; falling back to the next one")))
     return _REGISTRY["sdpa"]
 
 

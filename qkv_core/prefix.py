@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .notices import notice_once
+from .notices import PASSED_OVER, Notice, notice_once
 from .q8 import dequantize_q8_into, quantize_q8
 
 
@@ -136,7 +136,9 @@ def cache_prefix(kv_list: list, native: bool = True, kit=None) -> KVPrefix:
         return prefix
     kv_list.clear()
     if native:
-        notice_once("prefix:native-q8", "[Attention] no staged SageAttention core here: prefixes are cached as q8")
+        notice_once("prefix:native-q8", Notice(PASSED_OVER, "the staged SageAttention core", "not here",
+                                               "[Attention] no staged SageAttention core here: prefixes are cached "
+                                               "as q8"))
     kq, ks = quantize_q8(key)
     del key
     vq, vs = quantize_q8(value)

@@ -30,7 +30,7 @@ from . import inplace_attention
 from .group_loop import GroupLoop
 # OVER_QUERIES_GROUP_SCALE: tests and benchmarks read it beside OVER_QUERIES_MAX_TOKENS
 from .head_split import OVER_QUERIES_GROUP_SCALE, HeadGroup, SplitPolicy, head_groups   # noqa: F401
-from .notices import notice_once
+from .notices import UNSPLIT, Notice, notice_once
 from .tally import count_attention, count_split
 from .options import AttentionOptions
 from .capture import KVCapture
@@ -175,8 +175,9 @@ class _Call:
                            unsliceable=None if unsliceable is None else unsliceable[1], over_queries=over_queries)
         if unsliceable is not None and plan.reason == unsliceable[1]:
             name, reason = unsliceable
-            notice_once(f"unsplit:{reason}", f"[Attention] Head Split is not applied: the {name} projection "
-                                             f"cannot be computed by rows ({reason})")
+            notice_once(f"unsplit:{reason}", Notice(UNSPLIT, f"the {name} projection", reason,
+                                                    f"[Attention] Head Split is not applied: the {name} projection "
+                                                    f"cannot be computed by rows ({reason})"))
         return head_groups(s.heads, s.kv_heads, plan.groups)
 
     def run(self) -> torch.Tensor:

@@ -452,8 +452,9 @@ from prompt_runs import (StubServer, execution_error, load_custom_node, make_exe
 # --------------------------------------------------------------------------------------------------
 
 from tiny_wan import (FP8_LAYOUTS, WAN_KINDS, fill_random_, fp8_cast_per_call_, fresh, latent_channels,  # noqa: E402,F401
-                          make_conds, make_fp8_scaled_wan, make_inputs, make_wan, model_forward, n_tokens, rel_err,
-                          run_sample, stock_fallbacks, weights_forward, _as_scaled_fp8_file, _wan_config)
+                          lines_of_kind, logged_of_kind, make_conds, make_fp8_scaled_wan, make_inputs, make_wan,
+                          model_forward, n_tokens, rel_err, run_sample, stock_fallbacks, weights_forward,
+                          _as_scaled_fp8_file, _wan_config)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -60,9 +60,10 @@ def test_a_kernel_the_file_picks_runs_the_head_groups(env, attention, caplog):
     caplog.set_level(logging.INFO)
     out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
-    assert "runs as ComfyUI's own" not in caplog.text, caplog.text
     assert 1 in calls, calls                               # High: the picked kernel on one head a group
-    assert not [n for n in env.core.drain_notices() if "runs its own kernel instead" in n]
+    kinds = env.core.notices
+    notices = env.core.drain_notices()
+    assert not comfy_env.lines_of_kind(notices, kinds.FALLBACK, kinds.PASSED_OVER), notices
 
 
 def test_a_forced_backend_says_it_runs_instead_of_the_files_kernel(env, attention, caplog):
@@ -77,7 +78,7 @@ def test_a_forced_backend_says_it_runs_instead_of_the_files_kernel(env, attentio
         out = forward(base, patched)
     assert rel_err(out, reference) <= 1e-5
     assert 1 in spy.self_heads
-    lines = [n for n in env.core.drain_notices() if "runs its own kernel instead" in n]
+    lines = comfy_env.lines_of_kind(env.core.drain_notices(), env.core.notices.PASSED_OVER)
     assert len(lines) == 1 and "kernel_stand_in" in lines[0] and "pick auto" in lines[0], lines
 
 
@@ -102,4 +103,4 @@ def test_comfy_kitchen_int8_from_the_file_runs_the_head_groups_on_cuda(env, atte
     patched, _ = env.node.apply_patch(base, "High", "auto", True)
     out = forward(base, patched)
     assert rel_err(out.float(), reference.float()) <= 5e-2
-    assert not [n for n in env.core.drain_notices() if "runs as ComfyUI's own" in n]
+    assert not comfy_env.stock_fallbacks(env)

@@ -120,7 +120,7 @@ def rel_err(a, b):
 
 
 def _fallbacks(env):
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+    return comfy_env.stock_fallbacks(env)
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))

@@ -47,7 +47,9 @@ def test_forced_backend_falls_back_to_sdpa_on_cpu(caplog, name):
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"[Attention] {name} backend not used: ") and "falling back" in lines[0]
-    assert qc.drain_notices() == lines and qc.drain_notices() == []
+    notices = qc.drain_notices()
+    assert [str(notice) for notice in notices] == lines and qc.drain_notices() == []
+    assert [(notice.kind, notice.subject) for notice in notices] == [(qc.notices.PASSED_OVER, name)]
 
 
 # --- inputs that gave silently wrong results or obscure errors ------------------------------------------

@@ -404,7 +404,7 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
             ours = comfy_env.model_forward(patcher, inputs, applied=patched)
         notices = env.core.drain_notices()
     stock, reference, ours = (_joined(out) for out in (stock, reference, ours))
-    fallbacks = [line for line in notices if "runs as ComfyUI's own" in line]
+    fallbacks = comfy_env.lines_of_kind(notices, env.core.notices.FALLBACK)
     assert not fallbacks, (row, fallbacks)
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{spec.adapter}")
     groups = env.core.SplitPolicy(3, group_scale=adapter.SPEC.measured.group_scale).plan(spec.kv_heads, 10**6).groups

@@ -329,7 +329,7 @@ def test_short_sequences_run_comfyuis_own_blocks(env, ltx):
     env.core.reset_notices()
     out = forward(base, inputs, applied=patched)
     assert torch.equal(out, reference)
-    said = [line for line in env.core.drain_notices() if "short sequences" in line]
+    said = comfy_env.lines_of_kind(env.core.drain_notices(), env.core.notices.SHORT_CALL)
     assert {line.split(":")[0] for line in said} == {"[QKV] LTX block", "[QKV] LTX attention"}   # once each
     assert all("tokens, under the split floor of 24576: faster there" in line for line in said), said
 

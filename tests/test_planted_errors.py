@@ -157,7 +157,7 @@ def run_planted(env, models, monkeypatch, fmt: str, context: str, planted: str):
     comfy_env.model_forward(patcher, inputs, applied=patched)
     notices = env.core.drain_notices()
     first = run_report_first_line(env, patched, report, notices)
-    return [line for line in notices if "runs as ComfyUI's own" in line], first
+    return comfy_env.lines_of_kind(notices, env.core.notices.FALLBACK), first
 
 
 @pytest.mark.parametrize("planted", PLANTS)

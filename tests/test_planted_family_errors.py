@@ -116,7 +116,7 @@ def test_a_planted_error_in_a_familys_block_falls_back(env, models, monkeypatch,
         env.core.drain_tally()
         comfy_env.model_forward(patcher, inputs, applied=patched)
         notices = env.core.drain_notices()
-    fallbacks = [line for line in notices if "runs as ComfyUI's own" in line]
+    fallbacks = [notice for notice in notices if notice.kind == env.core.notices.FALLBACK]
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{spec.adapter}")
     config = env.node.QKVConfig(env.node.LEVELS.index("High"), "sdpa", True)
     run = env.node.RunReport(adapter.FAMILY, config.describe(), report)
@@ -127,10 +127,11 @@ def test_a_planted_error_in_a_familys_block_falls_back(env, models, monkeypatch,
         assert first.startswith(f"{adapter.FAMILY} (High, block bounds, backend sdpa)"), first
         return
     assert planted, "no bounded block was planted"
-    ran_stock = {line.split(" runs as ComfyUI's own: ")[0][len("[QKV] "):]: line for line in fallbacks}
+    ran_stock = {notice.subject: notice for notice in fallbacks}
     assert set(ran_stock) == planted, (planted, fallbacks)   # every planted block, and only they, fell back
     assert ran_stock, f"{plant} ({family}, {fmt}, {cond}) was kept by {sorted(planted)}"
-    for line in ran_stock.values():
-        assert " runs as ComfyUI's own: the outputs differ" in line, line
+    for what, notice in ran_stock.items():
+        assert notice.reason.startswith("the outputs differ"), notice
+        assert str(notice).startswith(f"[QKV] {what} runs as ComfyUI's own: the outputs differ"), notice
     assert first.startswith(("Part of the saving this run: ", "No saving this run: ")), first
     assert "ran as ComfyUI's own (the outputs differ" in first, first

@@ -133,7 +133,7 @@ def _unbind(block) -> None:
 
 
 def _block_checks(rank: int, world: int) -> dict:
-    """One rank's errors, notices, head groups and peaks (`test_the_bounded_block_over_raylights_ulysses`)."""
+    """One rank's errors, fallback lines, head groups and peaks (`test_the_bounded_block_over_raylights_ulysses`)."""
     import importlib
     import torch
     import torch.distributed as dist
@@ -161,7 +161,7 @@ def _block_checks(rank: int, world: int) -> dict:
     _GROUP.append(dist.new_group(list(range(world))))   # the stand-in's sequence-parallel group
     sp.register_ulysses_forward(_usp_self_attention, sp.SELF_ATTENTION, group=lambda: _GROUP[0])
     sp.register_ulysses_forward(_usp_cross_attention, sp.CROSS_ATTENTION)
-    out = {"errors": {}, "notices": {}}
+    out = {"errors": {}, "fallbacks": {}}
 
     def call(label):
         env.core.drain_tally()
@@ -169,7 +169,7 @@ def _block_checks(rank: int, world: int) -> dict:
         with torch.no_grad():
             got = block(**_fresh(sharded))
         out["errors"][label] = _err(got, want)
-        out["notices"][label] = env.core.drain_notices()
+        out["fallbacks"][label] = comfy_env.stock_fallbacks(env)
         return env.core.drain_tally()
 
     try:
@@ -207,7 +207,7 @@ def _block_checks(rank: int, world: int) -> dict:
         env.compat.forget_verdicts()
         with torch.no_grad():
             block(**_fresh(sharded))
-        out["notices"]["unknown forward"] = env.core.drain_notices()
+        out["fallbacks"]["unknown forward"] = comfy_env.stock_fallbacks(env)
     finally:
         sp.unregister_ulysses_forward(_usp_self_attention)
         sp.unregister_ulysses_forward(_usp_cross_attention)
@@ -221,25 +221,25 @@ def test_the_bounded_block_over_raylights_ulysses(world):
     comfy_env.require_comfyui()
     results = gloo_ranks.spawn(_block_checks, world)
     for rank, result in enumerate(results):
-        errors, notices = result["errors"], result["notices"]
+        errors, fallbacks = result["errors"], result["fallbacks"]
         print(f"\nworld {world} rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items())
               + f"; peak {result['peak_pack']:.2f} x|x| (stand-in {result['peak_stand_in']:.2f}); "
               f"groups {result['splits']}")
         assert errors["stand-in vs single process"] <= TOLERANCE, errors
         for label in ("pack, first call (self-check)", "pack"):
             assert errors[label] <= TOLERANCE, (label, errors)
-            assert not [line for line in notices[label] if "runs as ComfyUI's own" in line], notices[label]
+            assert not fallbacks[label], fallbacks[label]
         # High: 8 heads over the world's ranks in groups of a head a rank (world 2: 4 groups, world 4: 2)
         assert result["splits"].get(str(HEADS // world)) == 1, result["splits"]   # (1: cross-attention)
         assert result["peak_pack"] < result["peak_stand_in"], result
-        failed = notices["one rank's check fails"]
+        failed = fallbacks["one rank's check fails"]
         assert errors["one rank's check fails"] <= TOLERANCE
         reason = "a difference planted" if rank == world - 1 else "failed on another rank"
         assert any("Wan block runs as ComfyUI's own" in line and reason in line for line in failed), failed
-        assert any("ring_degree to 1" in line for line in notices["ring degree"]), notices["ring degree"]
+        assert any("ring_degree to 1" in line for line in fallbacks["ring degree"]), fallbacks["ring degree"]
         assert errors["ring degree"] <= TOLERANCE
-        assert any("another node patched its self_attn" in line for line in notices["unknown forward"]), \
-            notices["unknown forward"]
+        assert any("another node patched its self_attn" in line for line in fallbacks["unknown forward"]), \
+            fallbacks["unknown forward"]
 
 
 def _user_inputs_checks(rank: int, world: int) -> dict:
@@ -284,7 +284,7 @@ def _user_inputs_checks(rank: int, world: int) -> dict:
                     env.core.drain_tally()
                     ours = block(**_fresh(sharded))
                 out[name] = {"vs stand-in": _err(ours, stand_in), "stand-in vs single process": _err(stand_in, whole),
-                             "notices": env.core.drain_notices(), "clip tokens": inputs.get("context_img_len"),
+                             "fallbacks": comfy_env.stock_fallbacks(env), "clip tokens": inputs.get("context_img_len"),
                              "splits": {str(k): v for k, v in env.core.drain_tally().splits.items()}}
             finally:
                 _unbind(block)
@@ -312,7 +312,7 @@ def test_weights_and_inputs_users_feed_over_raylights_ulysses():
             groups = str(HEADS // 2) if rows or name == "i2v" else "1"
             print(f"\nrank {rank} {name}: pack vs raylight's forwards {row['vs stand-in']:.1e}, raylight's vs the "
                   f"single process {row['stand-in vs single process']:.1e}; groups {row['splits']}")
-            assert not [line for line in row["notices"] if "runs as ComfyUI's own" in line], row["notices"]
+            assert not row["fallbacks"], row["fallbacks"]
             assert row["splits"].get(groups, 0) >= 1, row["splits"]
             assert row["stand-in vs single process"] <= 1e-5, row
             assert row["vs stand-in"] <= 1e-3, row   # float32 on the CPU: the layers dequantize their weights
@@ -352,7 +352,7 @@ def _block_peaks(rank: int, world: int) -> dict:
             fresh = _fresh(sharded)
             peaks[name] = memory.measure_peak(fn, **fresh, live=[block, list(fresh.values())]).peak_bytes / \
                 x_bytes
-        peaks["notices"] = env.core.drain_notices()
+        peaks["fallbacks"] = comfy_env.stock_fallbacks(env)
         env.core.drain_tally()
         _unbind(block)   # the same block on the rank's tokens alone (no exchange): what the exchange adds
         block(**_fresh(sharded))
@@ -371,7 +371,7 @@ def test_the_per_rank_peak_of_the_bounded_block():
     for rank, peaks in enumerate(gloo_ranks.spawn(_block_peaks, 2)):
         print(f"\nrank {rank}: pack {peaks['pack']:.2f} x|x| (its block on the rank's tokens alone "
               f"{peaks['alone']:.2f}), raylight's forwards in ComfyUI's block {peaks['stand-in']:.2f}")
-        assert not [line for line in peaks["notices"] if "runs as ComfyUI's own" in line], peaks["notices"]
+        assert not peaks["fallbacks"], peaks["fallbacks"]
         assert peaks["pack"] < peaks["stand-in"] / 3, peaks
         assert peaks["pack"] <= peaks["alone"] + 0.25, peaks
 
@@ -407,7 +407,7 @@ def _load_raylight(torch):
 
 
 def _through_raylight(rank: int, world: int) -> dict:
-    """One rank's errors, notices and head groups of the tiny Wan through raylight's own path, alone and with
+    """One rank's errors, fallback lines and head groups of the tiny Wan through raylight's own path, alone and with
     the pack."""
     import torch
     comfy_env.setup()
@@ -426,7 +426,7 @@ def _through_raylight(rank: int, world: int) -> dict:
     inputs = comfy_env.make_inputs(patcher, "t2v", frames=FRAMES, h=SIDE, w=SIDE)
     inputs.pop("transformer_options")
     want = comfy_env.model_forward(patcher, inputs)
-    result = {"errors": {}, "notices": {}}
+    result = {"errors": {}, "fallbacks": {}}
     for label, level in (("raylight", None), ("raylight + pack", "High")):
         model = patcher.clone() if level is None else env.node.apply_patch(patcher, level, "sdpa", True)[0]
         model.add_callback(comfy.patcher_extension.CallbacksMP.ON_LOAD, USPInjectRegistry.inject)
@@ -439,7 +439,7 @@ def _through_raylight(rank: int, world: int) -> dict:
                     got = model.model.diffusion_model(**{k: comfy_env.fresh(v) for k, v in inputs.items()},
                                                       transformer_options={})
                 result["errors"][f"{label}, {call} call"] = _err(got, want)
-            result["notices"][label] = env.core.drain_notices()
+            result["fallbacks"][label] = comfy_env.stock_fallbacks(env)
             result.setdefault("splits", {})[label] = {str(k): v for k, v in env.core.drain_tally().splits.items()}
         finally:
             model.unpatch_model()
@@ -458,7 +458,7 @@ def test_through_raylights_own_wan_path():
         print(f"\nraylight rank {rank}: " + ", ".join(f"{k} {v:.1e}" for k, v in result["errors"].items())
               + f"; groups {result['splits']}")
         assert all(err <= TOLERANCE for err in result["errors"].values()), result["errors"]
-        assert not [line for line in result["notices"]["raylight + pack"] if "runs as ComfyUI's own" in line]
+        assert not result["fallbacks"]["raylight + pack"]
         assert result["splits"]["raylight + pack"].get(str(HEADS // 2), 0) >= 2, result["splits"]
         assert result["splits"]["raylight"] == {}, result["splits"]
 

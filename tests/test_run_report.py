@@ -380,7 +380,9 @@ def test_a_module_that_runs_stock_mid_run_puts_the_estimate_back(pack_node, sent
 
     def stock_once(executor, *args, **kwargs):
         if fail:
-            core.notices.notice_once("stock:test", "[QKV] Wan block runs as ComfyUI's own: a check failed here")
+            core.notices.notice_once("stock:test", core.Notice(
+                core.notices.FALLBACK, "Wan block", "a check failed here",
+                "[QKV] Wan block runs as ComfyUI's own: a check failed here"))
             fail.clear()
         return executor(*args, **kwargs)
     patched.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "zz_stock", stock_once)

@@ -173,13 +173,13 @@ def test_auto_measures_a_backend_once_per_gpu_and_takes_the_faster(monkeypatch):
         assert backends.resolve_backend(spec, spec, spec).name == "measured-test"
         assert [name for name, _ in calls] == ["measured-test", "sdpa"]   # once
         assert calls[0][1] == (1, backends.MEASURE_TOKENS, backends.MEASURE_HEADS, 64)
-        lines = qc.drain_notices()
+        lines = [str(notice) for notice in qc.drain_notices()]
         assert any("measured on Test GPU, head dim 64" in line and "measured-test is used" in line for line in lines)
         times["measured-test"] = 0.030                                   # another head dim: measured again
         slower = SimpleNamespace(shape=(1, 100, 4, 128), dtype=torch.float16, device=torch.device("cuda"))
         assert backends.resolve_backend(slower, slower, slower).name == "sdpa"
         assert len(calls) == 4
-        assert any("sdpa is used" in line for line in qc.drain_notices())
+        assert any("sdpa is used" in str(notice) for notice in qc.drain_notices())
         # asked for by name, it is used without measuring; on CPU, auto never measures
         assert backends.resolve_backend(slower, slower, slower, force_attention="measured-test").name == \
             "measured-test"
@@ -217,7 +217,9 @@ def test_auto_leaves_short_and_hopper_masked_calls_of_sageattention2_to_sdpa(mon
     assert backends.resolve_backend(long_, long_, long_, mask=mask).name == "sdpa"
     assert backends.resolve_backend(short, short, short, force_attention="sage").name == "sage"
     assert backends.resolve_backend(long_, long_, long_, mask=mask, force_attention="sage").name == "sage"
-    lines = qc.drain_notices()
+    notices = qc.drain_notices()
+    assert {notice.kind for notice in notices} == {qc.notices.AUTO_CHOICE}
+    lines = [str(notice) for notice in notices]
     assert sum("auto: sage is not used for calls under" in line for line in lines) == 1
     assert sum("auto: sage is not used for masked calls on Hopper" in line for line in lines) == 1
     monkeypatch.setattr(backends.torch.cuda, "get_device_capability", lambda device=None: (8, 9))

@@ -269,7 +269,7 @@ def _without_pack(case, key):
 def _fallbacks(env, records):
     """Every line of the pack saying a module ran ComfyUI's own forward during the run: its notices are drained
     by the run report at the end of a sampling run, so those logged (logger `qkv_core`) count too."""
-    logged = [r.getMessage() for r in records if r.name == "qkv_core" and "runs as ComfyUI's own" in r.getMessage()]
+    logged = comfy_env.logged_of_kind(records, env.core.notices.FALLBACK)
     return sorted(set(logged + comfy_env.stock_fallbacks(env)))
 
 

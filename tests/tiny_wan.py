@@ -382,9 +382,21 @@ def weights_forward(patcher, inputs, lowvram=False, layer=None):
         patcher.unpatch_model()
 
 
+def lines_of_kind(notices, *kinds) -> list:
+    """The log lines of the `Notice`s in `notices` whose kind is one of `kinds` (qkv_core.notices' kinds)."""
+    return [str(notice) for notice in notices if notice.kind in kinds]
+
+
+def logged_of_kind(records, *kinds) -> list:
+    """The messages of the log `records` (caplog's) that carry a notice (`record.notice`) of one of `kinds`."""
+    return [record.getMessage() for record in records
+            if getattr(getattr(record, "notice", None), "kind", None) in kinds]
+
+
 def stock_fallbacks(env) -> list:
-    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal)."""
-    return [line for line in env.core.drain_notices() if "runs as ComfyUI's own" in line]
+    """The pack's forwards that ran ComfyUI's own since the last call (a failed self-check, a refusal): the log
+    lines of the notices of kind FALLBACK, drained."""
+    return lines_of_kind(env.core.drain_notices(), env.core.notices.FALLBACK)
 
 
 def rel_err(a, b) -> float:
