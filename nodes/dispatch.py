@@ -26,7 +26,7 @@ LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)   # the node's names: 
 
 class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
-    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
+    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor_tokens`: the fewest
     tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
     with 0); `floor_scale`, `short_runs_stock`, `group_scale`: the family's multiple of the runtime's floor,
     whether its calls under that floor run ComfyUI's own forwards and its multiple of the level's head groups
@@ -34,14 +34,15 @@ class QKVConfig(NamedTuple):
     level: int
     backend: str
     block: bool
-    split_floor: Optional[int] = None
+    split_floor_tokens: Optional[int] = None
     floor_scale: float = 1
     short_runs_stock: bool = False
     group_scale: float = 1
 
     @property
     def policy(self) -> SplitPolicy:
-        return SplitPolicy(self.level, self.split_floor, self.floor_scale, self.short_runs_stock, self.group_scale)
+        return SplitPolicy(self.level, self.split_floor_tokens, self.floor_scale, self.short_runs_stock,
+                           self.group_scale)
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""

@@ -136,7 +136,7 @@ def test_split_plan_says_why_it_does_not_split():
     assert qc.split_plan(40, 75600, "low") == qc.SplitPlan(4)
     assert qc.split_plan(40, 75600, "off") == qc.SplitPlan(1, "head split Off")
     assert qc.split_plan(40, 100, "high") == qc.SplitPlan(1, "100 tokens, under 8192")
-    assert qc.split_plan(40, 100, "high", floor=64).groups == 20
+    assert qc.split_plan(40, 100, "high", split_floor_tokens=64).groups == 20
     assert qc.split_plan(1, 75600, "high") == qc.SplitPlan(1, "one key/value head")
     assert qc.split_plan(40, 75600, "high", split_heads=False) == qc.SplitPlan(1, "split_heads=False")
     assert qc.split_plan(40, 75600, "high", unsliceable="GGUF patch") == qc.SplitPlan(1, "GGUF patch")
