@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import gpus
 from .notices import notice_once
 from .staged_core import StagedCore
 from .tally import count_attention
@@ -53,7 +54,7 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-# SDPA's kernel order for long CUDA calls, by compute capability. Left to the ambient order, the pack's calls
+# SDPA's kernel order for long CUDA calls, by compute capability (`gpus.Architecture.sdpa_cudnn_first`). Left to the ambient order, the pack's calls
 # ran at very different speeds in different ComfyUI processes on one H200 (the 720p Wan block: 293 ms beside
 # ComfyUI v0.8.0, which asks for cuDNN first in its own calls; 422 ms beside v0.33, which asks for
 # FlashAttention first), so the pack sets its own: cuDNN attention first on Hopper and Blackwell (40 heads x
@@ -69,8 +70,8 @@ def _sdpa_order(device: torch.device, elements: int) -> Optional[list]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SDPA_ORDERS:
         from torch.nn.attention import SDPBackend
-        major, _ = torch.cuda.get_device_capability(index)
-        first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if major in (9, 10) else \
+        first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] \
+            if gpus.architecture(torch.device("cuda", index)).sdpa_cudnn_first else \
             [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         _SDPA_ORDERS[index] = first + [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return _SDPA_ORDERS[index]
@@ -253,7 +254,7 @@ class SageBackend(AttentionBackend):
             return (f"calls under {SAGE2_AUTO_MIN_TOKENS} tokens, where its quantization passes cost more than "
                     f"they save")
         device = torch.device(q.device)
-        if mask is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        if mask is not None and device.type == "cuda" and gpus.architecture(device).sage2_masked_on_sdpa:
             return "masked calls on Hopper (its Triton kernel, the one that takes masks, is slower than cuDNN's)"
         return None
 

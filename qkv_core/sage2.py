@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from . import gpus, kernels
 from .staged_core import StagedCore
 from .prefix import KVPrefix
 from .sage import quantize_blocks
@@ -54,7 +54,7 @@ NHD, NOT_CAUSAL, PER_THREAD = 0, 0, 3      # the CUDA kernel's codes for layout,
 
 
 def is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and gpus.architecture(device).sage2_kernel == "sm90"
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,19 +67,19 @@ def _has_module(name: str) -> bool:
         return False
 
 
-# compute capability -> (mode, the module its kernel is in)
-_CUDA_MODES = {(9, 0): ("sm90", "_qattn_sm90"), (8, 0): ("sm80", "_qattn_sm80")}
+# the CUDA kernels' modes (`gpus.Architecture.sage2_kernel`) -> the module their kernel is in
+_CUDA_MODULES = {"sm90": "_qattn_sm90", "sm80": "_qattn_sm80"}
 
 
 def kernel_mode(device: torch.device, masked: bool) -> str:
-    """The kernel mode (module docstring) for a call on `device`."""
+    """The kernel mode (module docstring) for a call on `device`: its row of the GPU table, where the installed
+    build has that kernel."""
     if masked:
         return "triton"
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability == (8, 6):
-        return "triton"
-    mode = _CUDA_MODES.get(capability)
-    return mode[0] if mode is not None and _has_module(mode[1]) else "sageattn"
+    mode = gpus.architecture(device).sage2_kernel if device.type == "cuda" else "sageattn"
+    if mode in _CUDA_MODULES and not _has_module(_CUDA_MODULES[mode]):
+        return "sageattn"
+    return mode
 
 
 # ---- quantizers (each launches SageAttention's own kernel on a strided (B, N, H, D) tensor) ----
