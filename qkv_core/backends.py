@@ -2,7 +2,7 @@
 
 Every backend takes q `(batch, q_tokens, heads, head_dim)` and k, v `(batch, kv_tokens, kv_heads,
 head_dim)` (the runtime's layout; strided views are fine) and returns `(batch, q_tokens, heads, head_dim)`.
-`pay_attention` dispatches by `force_attention` or the global choice; a backend that is missing or cannot
+`pay_attention` dispatches by `force_attention` (default `auto`); a backend that is missing or cannot
 take a call (mask, head dim, dtype, device) hands it to the next one with a one-time notice, never an
 exception mid-run. SDPA takes every call.
 
@@ -282,7 +282,6 @@ def native_prefix_kit() -> Optional[StagedCore]:
 _REGISTRY: dict[str, AttentionBackend] = {}
 #: order in which backends hand a call on: a backend falls back to the next available one after it
 _FALLBACK_ORDER: list[str] = []
-_global_choice = AUTO
 
 
 def register_backend(backend: AttentionBackend, before: Optional[str] = None) -> None:
@@ -322,17 +321,6 @@ def backend_names() -> list[str]:
 def available_backends() -> dict[str, Optional[str]]:
     """name -> None if usable in this process, else why not."""
     return {name: _REGISTRY[name].unavailable_reason() for name in _FALLBACK_ORDER}
-
-
-def set_attention_backend(name: str) -> None:
-    """The backend used by calls that pass no `force_attention` ("auto" picks by what is installed)."""
-    global _global_choice
-    _check_name(name)
-    _global_choice = name
-
-
-def get_attention_backend() -> str:
-    return _global_choice
 
 
 def _check_name(name: str) -> None:
@@ -394,7 +382,7 @@ def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Opt
                     ) -> AttentionBackend:
     """The backend that will take this call: the requested one, or the first after it that can. `auto`: the first
     of all that can, a backend with `measured_in_auto` only where it measured faster than SDPA on this GPU."""
-    choice = force_attention or _global_choice
+    choice = force_attention or AUTO
     _check_name(choice)
     start = 0 if choice == AUTO else _FALLBACK_ORDER.index(choice)
     for name in _FALLBACK_ORDER[start:]:
@@ -429,7 +417,7 @@ def pay_attention(q, k, v, mask=None, force_attention: Optional[str] = None, sof
     mask : torch.Tensor, optional
         Broadcasts to ``(B, H, Nq, Nk)``: boolean (True attends) or additive float.
     force_attention : str, optional
-        A backend name (`backend_names`) or "auto" (default: the process's choice, "auto").
+        A backend name (`backend_names`) or "auto" (the default).
     softmax_scale : float, optional
         Default ``1 / sqrt(D)``.
 

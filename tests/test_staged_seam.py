@@ -85,7 +85,6 @@ def fake(request):
     backend = FakeBackend(core)
     qc.backends.register_backend(backend)
     request.addfinalizer(lambda: qc.backends.unregister_backend(NAME))
-    request.addfinalizer(lambda: qc.backends.set_attention_backend("auto"))
     assert NAME in qc.backend_names() and qc.backend_names()[-1] == "sdpa"
     return core
 
@@ -182,12 +181,12 @@ def test_staged_order_and_results(fake, kv_heads, level):
     assert fake.settings_calls[0][:2] == ((16, 512, H // groups, D), (16, 512, kv_heads // groups, D))
 
 
-def test_staged_by_global_choice_with_norm_v_and_span_norm(fake):
-    qc.backends.set_attention_backend(NAME)
+def test_staged_with_norm_v_and_span_norm(fake):
     qp, kp, vp = make_qkv(FEAT, H, D, 4, seed=3)
     x = randn(16, 512, FEAT, seed=4)
     norm, vnorm = SpanningNormRope(H, 4, D), ValueNorm(4)
-    got = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm)
+    got = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm,
+                           force_attention=NAME)
     assert fake.log.count("attention") == 4
     want = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm,
                             force_attention="sdpa")
