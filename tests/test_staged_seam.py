@@ -387,14 +387,14 @@ def test_native_prefix_goes_to_the_core_by_groups():
         qc.backends.unregister_backend("fake-native")
 
 @pytest.mark.parametrize("capability,modules,masked,mode", [
-    ((9, 0), {"_qattn_sm90"}, False, "sm90"),
+    ((9, 0), {"sm90_compile"}, False, "sm90"),
     ((9, 0), set(), False, "sageattn"),          # a build without the Hopper kernel: its own sageattn
-    ((8, 0), {"_qattn_sm80"}, False, "sm80"),
+    ((8, 0), {"sm80_compile"}, False, "sm80"),
     ((8, 0), set(), False, "sageattn"),
     ((8, 6), set(), False, "triton"),            # what sageattn runs on sm86
-    ((8, 9), {"_qattn_sm89"}, False, "sageattn"),  # Ada: not staged (its kernel could not be checked)
-    ((12, 0), {"_qattn_sm89"}, False, "sageattn"),
-    ((9, 0), {"_qattn_sm90"}, True, "triton"),   # masks: the Triton kernel on every GPU
+    ((8, 9), {"sm89_compile"}, False, "sageattn"),  # Ada: not staged (its kernel could not be checked)
+    ((12, 0), {"sm89_compile"}, False, "sageattn"),
+    ((9, 0), {"sm90_compile"}, True, "triton"),   # masks: the Triton kernel on every GPU
 ])
 def test_sage2_kernel_mode_by_gpu(monkeypatch, capability, modules, masked, mode):
     """SageAttention 2's staged core picks each GPU's kernel as `sageattn` does, where the installed build has it
