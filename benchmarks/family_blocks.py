@@ -2,7 +2,7 @@
 against the pack's bounded forward (High, block bounds), peak memory and time in one process.
 
     python -m benchmarks.bench --comfyui PATH --families [--cases flux-double-2048,...] [--level high]
-                                                          [--split-floor N] [--chain N] [--json FILE]
+                                                          [--split-floor-tokens N] [--chain N] [--json FILE]
                                                           [--fast-paths-ab [--fast-paths none,each]]
 
 Loaded by `benchmarks/bench.py` inside the package it makes for the pack (see `load_pack_module`), so the
@@ -317,12 +317,12 @@ def _first(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def pack_forward(block, factory, backend: str, level: int, split_floor: Optional[int]):
+def pack_forward(block, factory, backend: str, level: int, split_floor_tokens: Optional[int]):
     """The pack's forward of `block` at `level` with block bounds, with the family's split floor as the node
-    applies it (Flux and Qwen-Image split from 12,288 tokens an item), or `split_floor`."""
+    applies it (Flux and Qwen-Image split from 12,288 tokens an item), or `split_floor_tokens`."""
     config = sys.modules[factory.__module__].SPEC.configure(QKVConfig(level=level, backend=backend, block=True))
-    if split_floor is not None:
-        config = config._replace(split_floor=split_floor)
+    if split_floor_tokens is not None:
+        config = config._replace(split_floor_tokens=split_floor_tokens)
     return factory(block, config)
 
 
@@ -335,14 +335,14 @@ def timed_ms(fn, inputs: dict, chain: int, repeats: int, device) -> float:
 
 
 def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int = 3,
-             split_floor: Optional[int] = None, chain: int = 1) -> dict:
-    """Stock against the pack at `level` with block bounds. `split_floor`: the fewest tokens of one item that
+             split_floor_tokens: Optional[int] = None, chain: int = 1) -> dict:
+    """Stock against the pack at `level` with block bounds. `split_floor_tokens`: the fewest tokens of one item that
     are split (None: the family's own floor, as the node applies it; 0 forces the split). `chain`: each timed
     run makes that many calls back to back, as a model runs its blocks (the host's launches for one call then
     overlap the GPU's work of the one before), and the time is per call; 1: one call and its end."""
     block, inputs, main, factory = case.build(device, dtype)
     x_bytes = inputs[main].numel() * inputs[main].element_size()
-    ours = pack_forward(block, factory, backend, level, split_floor)
+    ours = pack_forward(block, factory, backend, level, split_floor_tokens)
     row = {"case": case.name, "what": case.what, "x_GiB": x_bytes / 2**30}
     results = {}
     with torch.no_grad():
@@ -368,12 +368,13 @@ def run_case(case: Case, device, dtype, backend: str, repeats: int, level: int =
     return row
 
 
-def fast_paths_case(case: Case, device, dtype, backend: str, repeats: int, level: int, split_floor: Optional[int],
+def fast_paths_case(case: Case, device, dtype, backend: str, repeats: int, level: int,
+                    split_floor_tokens: Optional[int],
                     chain: int, spec: str, rounds: int) -> dict:
     """The pack's forward of `case` timed with the fast paths of each variant of `spec` (`fast_paths_ab`), and
     stock's once beside them."""
     block, inputs, _, factory = case.build(device, dtype)
-    ours = pack_forward(block, factory, backend, level, split_floor)
+    ours = pack_forward(block, factory, backend, level, split_floor_tokens)
     with torch.no_grad():
         ours(**_fresh(inputs))   # the self-check, once, outside the measurement
         stock_ms = timed_ms(block, inputs, chain, repeats, device)
@@ -393,7 +394,7 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="auto", help="the node's attention_backend for the pack")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--level", default="high", help="the pack's head split level (default high)")
-    parser.add_argument("--split-floor", type=int, default=None,
+    parser.add_argument("--split-floor-tokens", type=int, default=None,
                         help="the fewest tokens of one item that are split (default: each family's floor, as "
                              "the node applies it; 0 splits every case)")
     parser.add_argument("--chain", type=int, default=1,
@@ -414,7 +415,7 @@ def main(argv=None) -> int:
     print(f"{'case':26} {'stock x|x|':>10} {'pack x|x|':>10} {'stock ms':>9} {'pack ms':>9} {'time':>6} {'diff':>8} "
           f"{'moved':>7} {'rerouted':>8} {'rest diff':>9}")
     for name in names:
-        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor,
+        row = run_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level, args.split_floor_tokens,
                        max(1, args.chain))
         rows.append(row)
         routed = (f" {row['rerouted_tokens']:8d} {row['max_rel_diff_rest']:9.2e}" if "rerouted_tokens" in row
@@ -425,7 +426,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor, "chain": args.chain,
+                       else None, "backend": args.backend, "level": level,
+                       "split_floor_tokens": args.split_floor_tokens, "chain": args.chain,
                        "rows": rows}, f, indent=1)
     return 0
 
@@ -435,14 +437,15 @@ def main_fast_paths(args, names: list, level: int, device) -> int:
     results = []
     for name in names:
         result = fast_paths_case(CASES[name], device, torch.bfloat16, args.backend, args.repeats, level,
-                                 args.split_floor, max(1, args.chain), args.fast_paths, args.ab_rounds)
+                                 args.split_floor_tokens, max(1, args.chain), args.fast_paths, args.ab_rounds)
         results.append(result)
         print(ab.table(f"{name}: pack ms a call ({result['chain']} back to back), stock {result['stock_ms']:.2f} ms",
                        result["rows"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": torch.cuda.get_device_name(device) if device.type == "cuda"
-                       else None, "backend": args.backend, "level": level, "split_floor": args.split_floor,
+                       else None, "backend": args.backend, "level": level,
+                       "split_floor_tokens": args.split_floor_tokens,
                        "fast_paths_ab": results}, f, indent=1)
     return 0
 

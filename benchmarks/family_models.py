@@ -5,7 +5,7 @@ picks the `comfy.supported_models` class), random bf16 weights built on the devi
 
     python -m benchmarks.bench --comfyui PATH --family-models [--cases flux-dev-1024,...] [--repeats 2]
                                                                [--backend auto] [--json FILE] [--tiny]
-                                                               [--level High] [--split-floor TOKENS]
+                                                               [--level High] [--split-floor-tokens TOKENS]
 
 What it measures, per case (docs/benchmarks.md, "The memory estimate the pack gives ComfyUI"): ComfyUI plans a
 run from its estimate E = `base_model.memory_required([2, C, ...])` (`comfy.sampler_helpers.estimate_memory`:
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
                              "HunyuanVideo usually run so). E is ComfyUI's estimate either way: it always plans "
                              "for cond + uncond")
     parser.add_argument("--level", default="High", help="the node's head_split_level for the pack (default High)")
-    parser.add_argument("--split-floor", type=int, default=None,
+    parser.add_argument("--split-floor-tokens", type=int, default=None,
                         help="the runtime's head split floor in tokens of one item (default 8,192; each family "
                              "splits from its split_floor_scale times it); 0: every call is split")
     parser.add_argument("--tiny", action="store_true", help="a smoke run: every case cut down to run on the CPU")
@@ -265,8 +265,8 @@ def main(argv=None) -> int:
     floor = head_split.SPLIT_FLOOR_TOKENS
     if args.tiny:
         head_split.SPLIT_FLOOR_TOKENS = TINY_SPLIT_FLOOR
-    if args.split_floor is not None:
-        head_split.SPLIT_FLOOR_TOKENS = args.split_floor
+    if args.split_floor_tokens is not None:
+        head_split.SPLIT_FLOOR_TOKENS = args.split_floor_tokens
     try:
         return _run(args, names, device)
     finally:
@@ -279,7 +279,8 @@ def _run(args, names, device) -> int:
     print(f"{gpu}; torch {torch.__version__}; ComfyUI {comfyui_version()}; pack: {args.level}, block bounds, backend "
           f"{args.backend}; batch {args.batch}; {args.repeats} measured call(s) per method after a warm-up"
           + (f"; TINY models, head split floor {TINY_SPLIT_FLOOR} tokens" if args.tiny else "")
-          + (f"; the runtime's head split floor {args.split_floor} tokens" if args.split_floor is not None else ""),
+          + (f"; the runtime's head split floor {args.split_floor_tokens} tokens"
+             if args.split_floor_tokens is not None else ""),
           flush=True)
     print("E = ComfyUI's estimate for cond + uncond (memory_required"
           + ("; without CUDA ComfyUI's non-flash formula, not the GPU's" if device.type != "cuda" else "")
@@ -325,7 +326,7 @@ def _run(args, names, device) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "gpu": gpu, "torch": torch.__version__, "comfyui": comfyui_version(),
-                       "backend": args.backend, "level": args.level, "split_floor": args.split_floor,
+                       "backend": args.backend, "level": args.level, "split_floor_tokens": args.split_floor_tokens,
                        "batch": args.batch, "repeats": args.repeats, "tiny": args.tiny,
                        "rows": rows}, f, indent=1)
     return 1 if any("error" in row for row in rows) else 0

@@ -21,7 +21,7 @@ import torch
 from ..qkv_core import FusedRows, cross_qkv_attention, joint_qkv_attention, ulysses_qkv_attention
 from ..qkv_core.notices import PASSED_OVER, Notice, notice_once
 from .comfy_ops import ComfyLinearRows
-from .dispatch import AUTO, COMFY, attention_kwargs
+from .dispatch import COMFY, attention_kwargs, choose_backend
 from .norm_rope import PerHeadNormRope, SpanningNormRope
 from .rope import (NORM_KINDS, NORM_PER_HEAD, NORM_SPANS_HEADS, PER_HEAD_ROPE_KINDS, ROPE_COS_SIN, ROPE_COS_SIN_HALVES,
                    ROPE_COS_SIN_PAIRS, ROPE_KINDS, ROPE_PAIRS, ROPE_SPLIT_HALF, rope_cos_sin_halves_rows,
@@ -202,14 +202,12 @@ def attend_sequence_parallel(module, form: AttentionForm, x_list: list, heads: i
     q, k, v = stream.projections(module, heads * head_dim, heads * head_dim)
     norm_rope = SpanningNormRope([(0, None, attribute(module, stream.norm_q), attribute(module, stream.norm_k))],
                                  heads, head_dim, freqs if form.rope is not None else None, rope=form.rope)
-    options = config.policy.call_options()
+    options = config.policy.call_options() | choose_backend(config.backend, dispatcher=False).call_options()
     if config.backend == COMFY:
         notice_once("sequence-parallel:comfy", Notice(
             PASSED_OVER, "attention_backend=comfy", "the sequence-parallel exchange attends with the pack's own",
             "[QKV] attention_backend=comfy: the sequence-parallel exchange attends each head group with the "
             "pack's own backends (as auto)"))
-    elif config.backend != AUTO:
-        options["force_attention"] = config.backend
     return ulysses_qkv_attention(x_list, q, k, v, heads, head_dim, norm_rope, group=group,
                                  norm_spans_heads=norm_rope.spans_heads, **options)
 

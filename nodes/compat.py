@@ -415,7 +415,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
                  routed: bool = False, agree: Optional[Callable] = None) -> Callable:
     """`guarded` for one module of a family: ours = `ours_factory(module, config)`, self-checked once per
     kind of call against the module's own forward on `check_inputs(bound)` (the call's first tokens), with
-    the head split forced (`config._replace(split_floor=0)`).
+    the head split forced (`config._replace(split_floor_tokens=0)`).
 
     `names`: the forward's parameters (a call with others runs stock); `functions()`: ComfyUI's functions
     whose math ours replaces (the verdict is kept for them); `signature(bound)`: what makes a call another
@@ -433,7 +433,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     for ~0.5 GiB)."""
     stock = stock_forward(module)
     ours = ours_factory(module, config)
-    checked = ours_factory(module, config._replace(split_floor=0))
+    checked = ours_factory(module, config._replace(split_floor_tokens=0))
     policy = config.policy
 
     def refuse(args, kwargs):
@@ -444,7 +444,8 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
             tokens = max((value.shape[1] for value in bound.values() if torch.is_tensor(value) and value.dim() == 3),
                          default=None)
             if tokens is not None and policy.runs_stock(tokens):
-                return ShortCall(f"{tokens} tokens, under the split floor of {policy.floor}: faster there")
+                return ShortCall(f"{tokens} tokens, under the split floor of "
+                                 f"{policy.effective_split_floor_tokens}: faster there")
         if refuse_call is not None:
             reason = refuse_call(bound)
             if reason is not None:

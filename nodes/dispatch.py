@@ -26,7 +26,7 @@ LEVELS = tuple(name.capitalize() for name in LEVEL_NAMES)   # the node's names: 
 
 class QKVConfig(NamedTuple):
     """What the node asked for (small and deep-copy safe: it lives in patched closures). `level`: head split
-    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor`: the fewest
+    0-3; `backend`: one of `backend_choices()`; `block`: bound the whole block; `split_floor_tokens`: the fewest
     tokens that are split (None: the runtime's default times `floor_scale`; the self-check forces the split
     with 0); `floor_scale`, `short_runs_stock`, `group_scale`: the family's multiple of the runtime's floor,
     whether its calls under that floor run ComfyUI's own forwards and its multiple of the level's head groups
@@ -34,14 +34,15 @@ class QKVConfig(NamedTuple):
     level: int
     backend: str
     block: bool
-    split_floor: Optional[int] = None
+    split_floor_tokens: Optional[int] = None
     floor_scale: float = 1
     short_runs_stock: bool = False
     group_scale: float = 1
 
     @property
     def policy(self) -> SplitPolicy:
-        return SplitPolicy(self.level, self.split_floor, self.floor_scale, self.short_runs_stock, self.group_scale)
+        return SplitPolicy(self.level, self.split_floor_tokens, self.floor_scale, self.short_runs_stock,
+                           self.group_scale)
 
     def describe(self) -> str:
         """As the run report names the settings: "High, block bounds, backend auto"."""
@@ -63,11 +64,39 @@ def comfy_kernel_chosen() -> bool:
     return getattr(comfy_attention.optimized_attention, "__name__", "") in USER_CHOSEN_KERNELS
 
 
-def uses_comfy_dispatch(config, transformer_options) -> bool:
-    """ComfyUI's dispatcher for `comfy`; for `auto` too when another node set an attention override or the
-    user picked a kernel with ComfyUI's flags (both are kept as they are)."""
-    return config.backend == COMFY or (config.backend == AUTO and (
-        "optimized_attention_override" in transformer_options or comfy_kernel_chosen()))
+# the pack's backend for a call the model keeps off 8-bit kernels (ComfyUI's `low_precision_attention=False`)
+FULL_PRECISION_BACKEND = "sdpa"
+
+
+class BackendChoice(NamedTuple):
+    """How one attention call runs (`choose_backend`): through ComfyUI's dispatcher (`comfy_dispatch`), or on the
+    pack's backends with `force_attention` (None: qkv_core's `auto`). `passes_over_layer_kernel`,
+    `passes_over_override`: a named backend runs instead of the layer's kernel / another node's override."""
+    comfy_dispatch: bool
+    force_attention: Optional[str] = None
+    passes_over_layer_kernel: bool = False
+    passes_over_override: bool = False
+
+    def call_options(self) -> dict:
+        """The runtime call's option for the pack's backends (`force_attention` only where one is forced)."""
+        return {} if self.force_attention is None else {"force_attention": self.force_attention}
+
+
+def choose_backend(backend: str, transformer_options: Optional[dict] = None, layer_kernel=None,
+                   full_precision: bool = False, dispatcher: bool = True) -> BackendChoice:
+    """The one decision of what attends a call, asked by the adapters' attention, the kernel-level override and
+    the planner. `backend`: the node's choice (`backend_choices()`). ComfyUI's dispatcher for `comfy`, and for
+    `auto` where another node set an attention override (in `transformer_options`), the user picked a kernel with
+    ComfyUI's flags or the model file picks `layer_kernel` for the layer; else the pack's backends: `auto`'s
+    choice or the named one, SDPA for a `full_precision` call. `dispatcher=False`: a call ComfyUI's dispatcher
+    cannot take (the sequence-parallel exchange): `comfy` runs as `auto` there."""
+    override = transformer_options is not None and "optimized_attention_override" in transformer_options
+    if dispatcher and (backend == COMFY or (backend == AUTO and (override or comfy_kernel_chosen() or
+                                                                  layer_kernel is not None))):
+        return BackendChoice(True)
+    named = backend not in (AUTO, COMFY)
+    force = FULL_PRECISION_BACKEND if full_precision else (backend if named else None)
+    return BackendChoice(False, force, named and layer_kernel is not None, named and override)
 
 
 def layer_kernel(module):
@@ -123,13 +152,14 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
     dispatcher."""
     split = config.policy.call_options()
     picked = layer_kernel(module)
-    if picked is not None and config.backend not in (AUTO, COMFY):
+    choice = choose_backend(config.backend, transformer_options, picked)
+    if choice.passes_over_layer_kernel:
         kernel = getattr(picked, '__name__', 'a kernel')
         notice_once(f"layer-kernel:{config.backend}", Notice(
             PASSED_OVER, kernel, f"attention_backend={config.backend} runs its own kernel",
             f"[QKV] the model file picks {kernel} for its attention layers; attention_backend={config.backend} "
             f"runs its own kernel instead (pick auto to use the file's)"))
-    if uses_comfy_dispatch(config, transformer_options) or (picked is not None and config.backend == AUTO):
+    if choice.comfy_dispatch:
         # the file's kernel (ComfyUI's dispatcher runs it) takes the pack's head groups as it takes all heads
         preferred = getattr(module, "comfy_attention", None)
         dispatch = {} if preferred is None else {"preferred_attention": preferred}
@@ -147,12 +177,12 @@ def attention_kwargs(config, transformer_options, module=None, mask: Optional[to
     if mask is not None:   # 4-D, as the runtime takes it (it slices the heads per group)
         mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
         split["attention_mask"] = mask.unsqueeze(1) if mask.dim() == 3 else mask
-    if "optimized_attention_override" in transformer_options:
+    if choice.passes_over_override:
         notice_once(f"override:{config.backend}", Notice(
             PASSED_OVER, "optimized_attention_override", f"attention_backend={config.backend} runs its own kernel",
             f"[QKV] attention_backend={config.backend} runs its own kernel: the attention override another node "
             f"set is not used (pick auto or comfy to keep it)"))
-    return ({} if config.backend == AUTO else {"force_attention": config.backend}) | split
+    return choice.call_options() | split
 
 
 def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
@@ -164,6 +194,6 @@ def attend_group(q, k, v, kwargs: dict, group, full_precision: bool = False):
         if full_precision and getattr(attention_fn, "comfy_dispatch", False):
             return attention_fn([q, k, v], group, low_precision_attention=False)
         return attention_fn([q, k, v], group)
-    force = "sdpa" if full_precision else kwargs.get("force_attention")
+    force = FULL_PRECISION_BACKEND if full_precision else kwargs.get("force_attention")
     return pay_attention(q, k, v, force_attention=force)
 

@@ -22,7 +22,7 @@ import torch
 import comfy.ldm.modules.attention as comfy_attention
 
 from ..qkv_core import pay_attention
-from .dispatch import AUTO, COMFY, comfy_kernel_chosen
+from .dispatch import COMFY, choose_backend
 
 OVERRIDE_KEY = "optimized_attention_override"
 # keyword arguments of ComfyUI's attention functions the pack reads or may pass over
@@ -99,9 +99,9 @@ def _take(t):
 
 def _ours_can_take(backend, q, k, v, named) -> bool:
     if named.get("preferred_attention") is not None:
-        return False   # the model picked a kernel for this layer
-    if backend == AUTO and comfy_kernel_chosen():
-        return False   # the user picked ComfyUI's kernel with its flags
+        return False   # the model picked a kernel for this layer: kept for every backend here
+    if choose_backend(backend).comfy_dispatch:
+        return False   # `auto` where the user picked ComfyUI's kernel with its flags
     if not all(torch.is_tensor(t) for t in (q, k, v)) or any(t.requires_grad for t in (q, k, v)):
         return False   # not tensors (something else than ComfyUI's containers), or training: the model's kernel
     mask = named.get("mask")
@@ -122,9 +122,10 @@ def _attend(backend, q, k, v, heads, mask=None, skip_reshape=False, skip_output_
     if mask is not None:
         mask = mask.unsqueeze(0) if mask.dim() == 2 else mask
         mask = mask.unsqueeze(1) if mask.dim() == 3 else mask
-    force = "sdpa" if (scale is not None or low_precision_attention is False) else (
-        None if backend == AUTO else backend)
-    out = pay_attention(q, k, v, mask=mask, force_attention=force, softmax_scale=scale)
+    # a softmax scale, or a call kept off 8-bit kernels: the full-precision backend (SDPA)
+    choice = choose_backend(backend, full_precision=scale is not None or low_precision_attention is False,
+                            dispatcher=False)
+    out = pay_attention(q, k, v, mask=mask, force_attention=choice.force_attention, softmax_scale=scale)
     if skip_output_reshape:
         return out.transpose(1, 2)
     return out.flatten(2)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from ..qkv_core.backends import resolve_backend
 from ..qkv_core.runtime import attends_over_queries
-from .dispatch import AUTO, LEVELS, QKVConfig, uses_comfy_dispatch
+from .dispatch import LEVELS, QKVConfig, choose_backend
 from .report import size
 
 
@@ -99,12 +99,13 @@ def over_queries(config: QKVConfig, tokens: int, kv_heads: int, width: int, dtyp
     known, no)? The
     heads are read as `kv_heads` of `width // kv_heads` channels: the one family with grouped-query attention
     (Lumina 2) has a head dim the kernel does not take either way."""
+    choice = choose_backend(config.backend, transformer_options or {})
     if device is None or torch.device(device).type != "cuda" or kv_heads <= 0 or width % kv_heads or \
-            uses_comfy_dispatch(config, transformer_options or {}):
+            choice.comfy_dispatch:
         return False   # the kernel runs on CUDA only
     head_dim = width // kv_heads
     spec = SimpleNamespace(shape=(1, tokens, kv_heads, head_dim), dtype=dtype, device=torch.device(device))
-    backend = resolve_backend(spec, spec, spec, None, None, None if config.backend == AUTO else config.backend)
+    backend = resolve_backend(spec, spec, spec, None, None, choice.force_attention)
     return backend.staged_core is None and attends_over_queries(backend, tokens, spec.device, dtype, kv_heads,
                                                                 kv_heads, head_dim)
 

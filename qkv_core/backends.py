@@ -2,7 +2,7 @@
 
 Every backend takes q `(batch, q_tokens, heads, head_dim)` and k, v `(batch, kv_tokens, kv_heads,
 head_dim)` (the runtime's layout; strided views are fine) and returns `(batch, q_tokens, heads, head_dim)`.
-`pay_attention` dispatches by `force_attention` or the global choice; a backend that is missing or cannot
+`pay_attention` dispatches by `force_attention` (default `auto`); a backend that is missing or cannot
 take a call (mask, head dim, dtype, device) hands it to the next one with a one-time notice, never an
 exception mid-run. SDPA takes every call.
 
@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import gpus
 from .notices import AUTO_CHOICE, PASSED_OVER, Notice, notice_once
 from .staged_core import StagedCore
 from .tally import count_attention
@@ -53,7 +54,7 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-# SDPA's kernel order for long CUDA calls, by compute capability. Left to the ambient order, the pack's calls
+# SDPA's kernel order for long CUDA calls, by compute capability (`gpus.Architecture.sdpa_cudnn_first`). Left to the ambient order, the pack's calls
 # ran at very different speeds in different ComfyUI processes on one H200 (the 720p Wan block: 293 ms beside
 # ComfyUI v0.8.0, which asks for cuDNN first in its own calls; 422 ms beside v0.33, which asks for
 # FlashAttention first), so the pack sets its own: cuDNN attention first on Hopper and Blackwell (40 heads x
@@ -69,8 +70,8 @@ def _sdpa_order(device: torch.device, elements: int) -> Optional[list]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SDPA_ORDERS:
         from torch.nn.attention import SDPBackend
-        major, _ = torch.cuda.get_device_capability(index)
-        first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if major in (9, 10) else \
+        first = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] \
+            if gpus.architecture(torch.device("cuda", index)).sdpa_cudnn_first else \
             [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         _SDPA_ORDERS[index] = first + [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return _SDPA_ORDERS[index]
@@ -253,7 +254,7 @@ class SageBackend(AttentionBackend):
             return (f"calls under {SAGE2_AUTO_MIN_TOKENS} tokens, where its quantization passes cost more than "
                     f"they save")
         device = torch.device(q.device)
-        if mask is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        if mask is not None and device.type == "cuda" and gpus.architecture(device).sage2_masked_on_sdpa:
             return "masked calls on Hopper (its Triton kernel, the one that takes masks, is slower than cuDNN's)"
         return None
 
@@ -281,7 +282,6 @@ def native_prefix_kit() -> Optional[StagedCore]:
 _REGISTRY: dict[str, AttentionBackend] = {}
 #: order in which backends hand a call on: a backend falls back to the next available one after it
 _FALLBACK_ORDER: list[str] = []
-_global_choice = AUTO
 
 
 def register_backend(backend: AttentionBackend, before: Optional[str] = None) -> None:
@@ -321,17 +321,6 @@ def backend_names() -> list[str]:
 def available_backends() -> dict[str, Optional[str]]:
     """name -> None if usable in this process, else why not."""
     return {name: _REGISTRY[name].unavailable_reason() for name in _FALLBACK_ORDER}
-
-
-def set_attention_backend(name: str) -> None:
-    """The backend used by calls that pass no `force_attention` ("auto" picks by what is installed)."""
-    global _global_choice
-    _check_name(name)
-    _global_choice = name
-
-
-def get_attention_backend() -> str:
-    return _global_choice
 
 
 def _check_name(name: str) -> None:
@@ -395,7 +384,7 @@ def resolve_backend(q, k, v, mask=None, softmax_scale=None, force_attention: Opt
                     ) -> AttentionBackend:
     """The backend that will take this call: the requested one, or the first after it that can. `auto`: the first
     of all that can, a backend with `measured_in_auto` only where it measured faster than SDPA on this GPU."""
-    choice = force_attention or _global_choice
+    choice = force_attention or AUTO
     _check_name(choice)
     start = 0 if choice == AUTO else _FALLBACK_ORDER.index(choice)
     for name in _FALLBACK_ORDER[start:]:
@@ -431,7 +420,7 @@ def pay_attention(q, k, v, mask=None, force_attention: Optional[str] = None, sof
     mask : torch.Tensor, optional
         Broadcasts to ``(B, H, Nq, Nk)``: boolean (True attends) or additive float.
     force_attention : str, optional
-        A backend name (`backend_names`) or "auto" (default: the process's choice, "auto").
+        A backend name (`backend_names`) or "auto" (the default).
     softmax_scale : float, optional
         Default ``1 / sqrt(D)``.
 

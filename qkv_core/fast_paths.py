@@ -5,10 +5,9 @@ the time) and changes no result: with it off, the plain path runs and gives the 
 where it saves a measured share of a whole step (`python -m benchmarks.bench --comfyui --families
 --fast-paths-ab`, and `--whole-model --fast-paths-ab`, time a step with each one off, in one process).
 
-`QKV_FAST_PATHS`, read once at import, says which are on: a comma list applied left to right from "all on", of
-`all`, `none`, a name (on) and `-name` (off); e.g. `none,direct_launch` or `-kept_launches`. `only(names)` sets
-them for a block of code (the benchmarks). A module outside `qkv_core` with a fast path of its own names it
-with `declare` and asks `on` like the runtime does.
+`QKV_FAST_PATHS`, read once at import, says which are on: a comma list applied left to right from the defaults
+(every path on but those of `OFF_BY_DEFAULT`), of `all`, `none`, a name (on) and `-name` (off); e.g.
+`none,direct_launch` or `-kept_launches`. `only(names)` sets them for a block of code (the benchmarks).
 """
 from __future__ import annotations
 
@@ -34,15 +33,19 @@ FAST_PATHS: dict[str, str] = {
     "capability": "a GPU's compute capability asked once (kernels.capability)",
 }
 
+#: paths off unless `QKV_FAST_PATHS` names them: their whole-model gain is within the runs' spread and they use
+#: another project's internals (docs/benchmarks.md#fast-paths)
+OFF_BY_DEFAULT = frozenset({"direct_launch"})
+
 _on: dict[str, bool] = {}
-_spec = os.environ.get("QKV_FAST_PATHS", "all")
+_spec = os.environ.get("QKV_FAST_PATHS", "")
 
 
 def _apply(spec: str, names: Iterable[str], warn: bool) -> None:
-    """Sets `_on` for `names` from a `QKV_FAST_PATHS` value (all on first)."""
+    """Sets `_on` for `names` from a `QKV_FAST_PATHS` value (the defaults first)."""
     names = list(names)
     for name in names:
-        _on[name] = True
+        _on[name] = name not in OFF_BY_DEFAULT
     for entry in (e.strip() for e in spec.split(",") if e.strip()):
         if entry in ("all", "none"):
             for name in names:
@@ -52,7 +55,6 @@ def _apply(spec: str, names: Iterable[str], warn: bool) -> None:
         if name in names:
             _on[name] = value
         elif warn:
-            # a name declared later (outside qkv_core) takes the value when it is declared
             logging.getLogger("qkv_core").info("[QKV] QKV_FAST_PATHS: %r is not a fast path (yet): %s", name,
                                               ", ".join(FAST_PATHS))
 
@@ -63,13 +65,6 @@ _apply(_spec, FAST_PATHS, warn=True)
 def on(name: str) -> bool:
     """Is the fast path `name` on (a dict lookup: it is asked on the hot path)?"""
     return _on[name]
-
-
-def declare(name: str, what: str) -> None:
-    """A fast path outside `qkv_core` (one line of `what` it does and where), switched like the others."""
-    FAST_PATHS[name] = what
-    if name not in _on:
-        _apply(_spec, [name], warn=False)
 
 
 @contextlib.contextmanager
@@ -88,4 +83,4 @@ def only(names: Iterable[str]) -> Iterator[None]:
         _on.update(saved)
 
 
-__all__ = ["FAST_PATHS", "on", "declare", "only"]
+__all__ = ["FAST_PATHS", "OFF_BY_DEFAULT", "on", "only"]

@@ -101,7 +101,8 @@ class SplitPlan(NamedTuple):
     share: float = 1.0
 
 
-def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None,
+def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None,
+               split_floor_tokens: Optional[int] = None,
                split_heads: Optional[bool] = None, unsliceable: Optional[str] = None,
                target_scale: float = 1.0) -> SplitPlan:
     """The head split of a call: the one place that decides it, for the runtime and for whoever plans memory
@@ -119,7 +120,7 @@ def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor:
         slower split, for ~100 MiB.
     level : int or str, optional
         The Head Split level (`parse_level`). Default: High (`DEFAULT_LEVEL`).
-    floor : int, optional
+    split_floor_tokens : int, optional
         The fewest tokens that are split. Default `SPLIT_FLOOR_TOKENS`.
     split_heads : bool, optional
         False: the caller's "never".
@@ -139,13 +140,13 @@ def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None, floor:
         An unknown `level`.
     """
     lvl = DEFAULT_LEVEL if level is None else parse_level(level)
-    floor = SPLIT_FLOOR_TOKENS if floor is None else floor
+    split_floor_tokens = SPLIT_FLOOR_TOKENS if split_floor_tokens is None else split_floor_tokens
     if split_heads is False:
         return SplitPlan(1, "split_heads=False")
     if lvl == 0:
         return SplitPlan(1, "head split Off")
-    if tokens < floor:
-        return SplitPlan(1, f"{tokens} tokens, under {floor}")
+    if tokens < split_floor_tokens:
+        return SplitPlan(1, f"{tokens} tokens, under {split_floor_tokens}")
     if kv_heads <= 1:
         return SplitPlan(1, "one key/value head")
     target = TARGET_GROUPS[lvl] * target_scale
@@ -160,23 +161,23 @@ class SplitPolicy(NamedTuple):
     `head_split_level` and `split_floor_tokens` are a policy), and in nodes/ the memory estimate, the planner, the
     bounded blocks' chunk sizes and the guard that leaves short calls to ComfyUI's own forwards.
 
-    `level`: 0-3 (Off-High). `floor_tokens`: the fewest tokens of one batch item that are split; None:
+    `level`: 0-3 (Off-High). `split_floor_tokens`: the fewest tokens of one batch item that are split; None:
     `SPLIT_FLOOR_TOKENS` (read at each call) times `floor_scale`, the family's multiple of it where its split
     forwards are bound by the host's launches on shorter sequences. `short_runs_stock`: the family's calls under
     the floor run ComfyUI's own forwards. `group_scale`: the level's target count of groups times this, for a
     family whose attention is wider than its hidden state (runtime option `head_split_group_scale`)."""
 
     level: int = DEFAULT_LEVEL
-    floor_tokens: Optional[int] = None
+    split_floor_tokens: Optional[int] = None
     floor_scale: float = 1
     short_runs_stock: bool = False
     group_scale: float = 1
 
     @property
-    def floor(self) -> int:
+    def effective_split_floor_tokens(self) -> int:
         """The fewest tokens of one batch item that are split."""
-        if self.floor_tokens is not None:
-            return self.floor_tokens
+        if self.split_floor_tokens is not None:
+            return self.split_floor_tokens
         return int(SPLIT_FLOOR_TOKENS * self.floor_scale)
 
     def plan(self, kv_heads: int, tokens: int, *, split_heads: Optional[bool] = None,
@@ -184,8 +185,8 @@ class SplitPolicy(NamedTuple):
         """The head groups of a call with `kv_heads` key/value heads and `tokens` tokens of one batch item (for
         cross-attention the longer sequence): `split_plan` at this level and floor. `over_queries`: its groups
         are attended over their queries, so the level's peak takes `OVER_QUERIES_GROUP_SCALE` of its groups."""
-        plan = split_plan(kv_heads, tokens, self.level, self.floor, split_heads, unsliceable,
-                          self.group_scale * (OVER_QUERIES_GROUP_SCALE if over_queries else 1.0))
+        plan = split_plan(kv_heads, tokens, self.level, self.effective_split_floor_tokens, split_heads,
+                          unsliceable, self.group_scale * (OVER_QUERIES_GROUP_SCALE if over_queries else 1.0))
         return plan._replace(share=OVER_QUERIES_GROUP_SCALE) if over_queries and plan.groups > 1 else plan
 
     def splits(self, kv_heads: int, tokens: int) -> bool:
@@ -193,34 +194,40 @@ class SplitPolicy(NamedTuple):
         still keep it whole)?"""
         return self.plan(kv_heads, tokens).groups > 1
 
+    def projects_by_rows(self, tokens: int) -> bool:
+        """Is a stream of `tokens` tokens of one batch item long enough to be projected by rows, one head group
+        at a time? A shorter one is projected whole once and sliced per group."""
+        return tokens >= self.effective_split_floor_tokens
+
     def runs_stock(self, tokens: int) -> bool:
         """Does a call whose longest sequence has `tokens` tokens of one item run ComfyUI's own forward?"""
-        return self.short_runs_stock and tokens < self.floor
+        return self.short_runs_stock and tokens < self.effective_split_floor_tokens
 
     def call_options(self) -> dict:
         """The runtime call's options for this policy (`split_floor_tokens` only where it is not the default)."""
         options = {"head_split_level": self.level}
-        if self.floor_tokens is not None or self.floor_scale != 1:
-            options["split_floor_tokens"] = self.floor
+        if self.split_floor_tokens is not None or self.floor_scale != 1:
+            options["split_floor_tokens"] = self.effective_split_floor_tokens
         if self.group_scale != 1:
             options["head_split_group_scale"] = self.group_scale
         return options
 
     @classmethod
-    def of_call(cls, level: Optional[Level], floor_tokens: Optional[int],
+    def of_call(cls, level: Optional[Level], split_floor_tokens: Optional[int],
                 group_scale: Optional[float] = None) -> "SplitPolicy":
         """The policy of a runtime call's options `head_split_level`, `split_floor_tokens` and
         `head_split_group_scale` (None: defaults)."""
-        return cls(DEFAULT_LEVEL if level is None else parse_level(level), floor_tokens,
+        return cls(DEFAULT_LEVEL if level is None else parse_level(level), split_floor_tokens,
                    group_scale=1 if group_scale is None else group_scale)
 
 
-def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor: Optional[int] = None) -> int:
+def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None,
+                split_floor_tokens: Optional[int] = None) -> int:
     """The number of head groups `split_plan` gives.
 
     Parameters
     ----------
-    kv_heads, tokens, level, floor
+    kv_heads, tokens, level, split_floor_tokens
         As in `split_plan`.
 
     Returns
@@ -232,7 +239,7 @@ def group_count(kv_heads: int, tokens: int, level: Optional[Level] = None, floor
     ValueError
         An unknown `level`.
     """
-    return split_plan(kv_heads, tokens, level, floor).groups
+    return split_plan(kv_heads, tokens, level, split_floor_tokens).groups
 
 
 def head_groups(heads: int, kv_heads: Optional[int] = None, count: int = 1) -> list[HeadGroup]:

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from . import fast_paths
+from . import fast_paths, gpus
 from .kernels import capability, cdiv, runs_on, triton
 from .launch import kept_across_calls, shared_launch
 
@@ -120,7 +120,7 @@ def declines(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int
         return f"head dim {head_dim} (128 is taken)"
     if kv_heads <= 0 or heads % kv_heads:
         return f"{heads} heads over {kv_heads} key/value heads"
-    if device.type == "cuda" and capability(device) < (8, 0):
+    if device.type == "cuda" and capability(device) < gpus.OVER_QUERIES_FROM:
         return "needs compute capability 8.0 or more"
     return None
 

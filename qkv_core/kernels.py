@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from . import fast_paths
+from . import fast_paths, gpus
 from .launch import kept_across_calls, shared_launch
 
 try:  # Triton is optional: ComfyUI installs on Windows and Macs often have none
@@ -419,12 +419,12 @@ def dtype_runs(t: torch.Tensor) -> bool:
     """16-bit and float32 tensors; bf16 needs a GPU of compute capability 8.0 or more (its conversions)."""
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    return t.dtype != torch.bfloat16 or not t.is_cuda or capability(t.device)[0] >= 8
+    return t.dtype != torch.bfloat16 or not t.is_cuda or capability(t.device) >= gpus.BF16_KERNELS_FROM
 
 
 def cuda_capable(t: torch.Tensor) -> bool:
     """Compute capability 7.5 or more (the kernels' targets), or the interpreter."""
-    return not t.is_cuda or capability(t.device) >= (7, 5)
+    return not t.is_cuda or capability(t.device) >= gpus.TRITON_KERNELS_FROM
 
 
 def rows_contiguous(*tensors) -> bool:

@@ -4,15 +4,15 @@ launches are host-bound at short lengths).
 `shared_launch(kernel, grid, meta, args)` gives the launch of a `@triton.jit` kernel for arguments laid out like
 `args`; its `launch(args)` runs the kernel. The first launch goes through Triton's public path,
 `kernel[grid](*args, **meta)`: it binds every argument, builds the specialization key, looks the compiled kernel
-up and calls that kernel's launcher, about 18 µs of host time on an H200's host where the launcher alone takes
-about 6. A head group's passes are launched once per group with the same arguments but their tensors, so later
-launches call the compiled kernel's launcher directly (the fast path `direct_launch`), only where that is what
-Triton's own launch does:
-- the installed Triton calls its launchers as this module does (`triton_problem`, asked once, at the first
-  launch): Triton 3.2 or later, its driver and compiled kernels have the fields used here, and its
-  `JITFunction.run` calls `kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
-  launch_metadata, <enter hook>, <exit hook>, *<values>)`, the values one per entry of the compiled kernel's
-  `src.signature` (Triton 3.2: the parameters that are not constexprs; 3.3 and later: every parameter);
+up and calls that kernel's launcher. Every launch takes that path by default: calling the compiled kernel's
+launcher directly (the fast path `direct_launch`, off unless `QKV_FAST_PATHS` turns it on) saved no time on a
+whole model beyond the runs' spread (docs/benchmarks.md#fast-paths). Turned on, later launches call the
+launcher directly only where that is what Triton's own launch does:
+- the installed Triton is one of `TESTED_TRITON_VERSIONS` (`triton_problem`, asked once, at the first launch),
+  whose `JITFunction.run` calls `kernel.run(grid_0, grid_1, grid_2, stream, kernel.function,
+  kernel.packed_metadata, launch_metadata, <enter hook>, <exit hook>, *<values>)`, the values one per entry of the
+  compiled kernel's `src.signature` (every parameter), and its driver and compiled kernels have the fields used
+  here;
 - the kernel's signature starts with the positional arguments and names the rest in `meta`;
 - no launch hook is set (a profiler such as proton: Triton calls the hooks);
 - the same current CUDA device as the first launch (a compiled kernel belongs to one device's context);
@@ -28,7 +28,6 @@ keeps, in the same bounded store, a pass worked out from its tensors' layouts (`
 """
 from __future__ import annotations
 
-import inspect
 import os
 import re
 from collections import OrderedDict
@@ -49,10 +48,9 @@ try:
 except Exception:  # noqa: BLE001  # pragma: no cover - older Triton
     _knobs = None
 
-# Triton's own launcher call in `JITFunction.run`, blanks taken out: the layout `CompiledLaunch` reproduces
-_TRITONS_CALL = re.compile(r"kernel\.run\(grid_0,grid_1,grid_2,stream,kernel\.function,kernel\.packed_metadata,"
-                           r"launch_metadata,[\w.]*launch_enter_hook,[\w.]*launch_exit_hook,"
-                           r"\*(bound_args\.values\(\)|non_constexpr_vals)\)")
+# (major, minor) of the Triton releases whose launcher call `CompiledLaunch` reproduces, each checked against
+# its `JITFunction.run` and run by tests/test_launch.py: 3.6 on an H200 (docs/benchmarks.md#fast-paths), 3.9 here
+TESTED_TRITON_VERSIONS = ((3, 6), (3, 9))
 _NOT_YET = object()
 _problem: Any = _NOT_YET
 
@@ -62,20 +60,12 @@ def _version(text: str) -> tuple:
 
 
 def _layout_problem() -> Optional[str]:
-    """Why the installed Triton's launchers are not called as `CompiledLaunch` calls them, or None: read from
-    its version and its own launch (`JITFunction.run`), without a GPU."""
+    """Why the installed Triton is not one whose launchers `CompiledLaunch` calls, or None."""
     if triton is None or _driver is None:
         return "Triton is not installed"
     version = getattr(triton, "__version__", "?")
-    if _version(version) < (3, 2):
-        return f"Triton {version}: its launchers take another layout before 3.2"
-    try:
-        from triton.runtime.jit import JITFunction
-        source = "".join(inspect.getsource(JITFunction.run).split())
-    except Exception as error:  # noqa: BLE001 - no source to read: Triton's path, which knows what to do
-        return f"Triton {version}'s launch could not be read ({type(error).__name__}: {error})"
-    if not _TRITONS_CALL.search(source):
-        return f"Triton {version}'s JITFunction.run calls its launchers in another way"
+    if _version(version) not in TESTED_TRITON_VERSIONS:
+        return f"Triton {version} is not one of the versions its launchers were tested on"
     return None
 
 
@@ -244,4 +234,4 @@ def forget_shared_launches() -> None:
 
 
 __all__ = ["CompiledLaunch", "shared_launch", "kept_across_calls", "forget_shared_launches", "triton_problem",
-           "SHARED_LAUNCHES"]
+           "SHARED_LAUNCHES", "TESTED_TRITON_VERSIONS"]

@@ -167,8 +167,7 @@ class _Call:
         split, keeps the call in one group (said once); a short stream's is projected whole and sliced."""
         o, s = self.o, self.streams
         policy = self.policy
-        floor = policy.floor
-        unsliceable = next(((name, reason) for source in s.all_streams if source.tokens >= floor
+        unsliceable = next(((name, reason) for source in s.all_streams if policy.projects_by_rows(source.tokens)
                             for name, proj in source.proj.items()   # short streams: projected whole, sliced
                             for reason in [proj.not_row_sliceable()] if reason is not None), None)
         plan = policy.plan(s.kv_heads, max(s.q_tokens, s.kv_tokens), split_heads=o.split_heads,

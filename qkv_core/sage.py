@@ -19,16 +19,11 @@ from typing import Optional
 
 import torch
 
+from .sage_internals import sage1_kernels
 from .staged_core import StagedCore
 
 LOG2E = 1.44269504   # SageAttention folds log2(e) into q's scale: its kernel takes exp2
 Q_BLOCK, K_BLOCK = 128, 64   # SageAttention 1's token blocks of q's and k's scales (its attention kernel's tiles)
-
-
-def _sage1_kernels():
-    from sageattention.attn_qk_int8_per_block import _attn_fwd
-    from sageattention.quant_per_block import quant_per_block_int8_kernel
-    return quant_per_block_int8_kernel, _attn_fwd
 
 
 def quantize_blocks(x: torch.Tensor, block: int, scale: float, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +31,7 @@ def quantize_blocks(x: torch.Tensor, block: int, scale: float, kernel=None) -> t
     `block` tokens of each head, `scale` folded in: (int8 `(B, N, H, D)`, float32 scales `(B, H, blocks, 1)`).
     `kernel`: its `quant_per_block_int8_kernel` (SageAttention 2's Triton one has the same arguments; default
     SageAttention 1's)."""
-    quantize = kernel if kernel is not None else _sage1_kernels()[0]
+    quantize = kernel if kernel is not None else sage1_kernels()[0]
     batch, tokens, heads, dim = x.shape
     values = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     blocks = -(-tokens // block)
@@ -87,7 +82,7 @@ class Sage1Core(StagedCore):
             raise ValueError("SageAttention 1 takes no mask: the runtime sends such calls to SDPA (use "
                              "attention_backend sdpa, or SageAttention 2)")
         (q, q_scale), (k, k_scale), v = quantized
-        _, attend = _sage1_kernels()
+        _, attend = sage1_kernels()
         batch, q_tokens, heads, dim = q.shape
         kv_tokens, kv_heads = k.shape[1], k.shape[2]
         attend[(-(-q_tokens // Q_BLOCK), heads, batch)](

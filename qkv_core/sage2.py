@@ -8,7 +8,7 @@ Kernel modes, chosen per call by `Sage2Core.settings` as `sageattn` chooses its 
   smoothed by their mean over the tokens), v fp8 e4m3 transposed to `(B, D, H, tokens padded to 128)` with one
   scale per channel, then its TMA/wgmma kernel writing into a strided output and giving the base-2 LSE.
 - "sm80" (8.0, A100), unmasked: `sageattn_qk_int8_pv_fp16_cuda` (fp32 accumulation): q and k int8 per thread
-  (warps of 32 rows in tiles of 128; k tiles of 64, smoothed), v fp16, its `_qattn_sm80` kernel.
+  (warps of 32 rows in tiles of 128; k tiles of 64, smoothed), v fp16, its sm80 kernel (`sm80_compile`'s op).
 - "triton" (masked calls, sm86 and any other GPU): `sageattn_qk_int8_pv_fp16_triton`: q and k int8 by blocks
   (q: 128 tokens, softmax scale and log2(e) folded in; k: 64, smoothed), v fp16, its Triton kernel (bool or
   additive masks, LSE). It is also what `sageattn` runs on sm86.
@@ -36,7 +36,8 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from . import gpus, kernels
+from .sage_internals import sage2_triton_attention, sage2_v_fp8_kernels
 from .staged_core import StagedCore
 from .prefix import KVPrefix
 from .sage import quantize_blocks
@@ -54,12 +55,13 @@ NHD, NOT_CAUSAL, PER_THREAD = 0, 0, 3      # the CUDA kernel's codes for layout,
 
 
 def is_sm90(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return device.type == "cuda" and gpus.architecture(device).sage2_kernel == "sm90"
 
 
 @functools.lru_cache(maxsize=None)
 def _has_module(name: str) -> bool:
-    """Does the installed SageAttention build have the CUDA kernel module `name` (built for some GPUs only)?"""
+    """Does the installed SageAttention build have the module `name` (its CUDA kernels' ops are built for some GPUs
+    only)?"""
     try:
         importlib.import_module(f"sageattention.{name}")
         return True
@@ -67,19 +69,19 @@ def _has_module(name: str) -> bool:
         return False
 
 
-# compute capability -> (mode, the module its kernel is in)
-_CUDA_MODES = {(9, 0): ("sm90", "_qattn_sm90"), (8, 0): ("sm80", "_qattn_sm80")}
+# the CUDA kernels' modes (`gpus.Architecture.sage2_kernel`) -> the module that registers their `torch.library` op
+_CUDA_MODULES = {"sm90": "sm90_compile", "sm80": "sm80_compile"}
 
 
 def kernel_mode(device: torch.device, masked: bool) -> str:
-    """The kernel mode (module docstring) for a call on `device`."""
+    """The kernel mode (module docstring) for a call on `device`: its row of the GPU table, where the installed
+    build has that kernel."""
     if masked:
         return "triton"
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if capability == (8, 6):
-        return "triton"
-    mode = _CUDA_MODES.get(capability)
-    return mode[0] if mode is not None and _has_module(mode[1]) else "sageattn"
+    mode = gpus.architecture(device).sage2_kernel if device.type == "cuda" else "sageattn"
+    if mode in _CUDA_MODULES and not _has_module(_CUDA_MODULES[mode]):
+        return "sageattn"
+    return mode
 
 
 # ---- quantizers (each launches SageAttention's own kernel on a strided (B, N, H, D) tensor) ----
@@ -110,7 +112,7 @@ def quantize_per_thread(x: torch.Tensor, which: str, tiles: tuple = SM90_TILES) 
 def quantize_v_fp8(v_list: list) -> tuple[torch.Tensor, torch.Tensor]:
     """v `(B, N, H, D)` 16-bit (the list is cleared) as fp8 e4m3 `(B, D, H, N padded to 128)`, tokens permuted
     as the fp8 MMA reads them, and float32 scales `(B, H, D)` (max |v| of each channel / 448)."""
-    from sageattention import _fused
+    transpose_pad_permute, scale_fuse_quant = sage2_v_fp8_kernels()
     v = v_list.pop()
     v_list.clear()
     batch, tokens, heads, dim = v.shape
@@ -119,11 +121,11 @@ def quantize_v_fp8(v_list: list) -> tuple[torch.Tensor, torch.Tensor]:
         # the transposing kernel pads to 64 tokens, the attention reads 128 at a time: give it the zero rows
         v = torch.cat([v, v.new_zeros(batch, padded - tokens, heads, dim)], dim=1)
     transposed = torch.empty((batch, dim, heads, padded), dtype=v.dtype, device=v.device)
-    _fused.transpose_pad_permute_cuda(v, transposed, NHD)
+    transpose_pad_permute(v, transposed, NHD)
     del v
     values = torch.empty(transposed.shape, dtype=torch.float8_e4m3fn, device=transposed.device)
     scales = torch.empty((batch, heads, dim), dtype=torch.float32, device=transposed.device)
-    _fused.scale_fuse_quant_cuda(transposed, values, scales, padded, FP8_MAX, NHD)
+    scale_fuse_quant(transposed, values, scales, padded, FP8_MAX, NHD)
     return values, scales
 
 
@@ -297,19 +299,19 @@ def _triton_quantize(x: torch.Tensor, block: int, scale: float) -> tuple[torch.T
 
 
 def _sm90_attention(out, q, q_scale, k, k_scale, v, v_scale, scale, lse: bool) -> Optional[torch.Tensor]:
-    """SageAttention 2's sm90 kernel into `out`; its base-2 LSE `(B, H, Nq)` when `lse`."""
-    from sageattention import _qattn_sm90
-    result = _qattn_sm90.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
+    """SageAttention 2's sm90 kernel (its `torch.library` op) into `out`; its base-2 LSE `(B, H, Nq)` when `lse`."""
+    importlib.import_module("sageattention.sm90_compile")   # registers the op
+    result = torch.ops.sageattention_sm90.qk_int8_sv_f8_accum_f32_fuse_v_scale_attn_inst_buf(
         q, k, v, out, q_scale, k_scale, v_scale, NHD, NOT_CAUSAL, PER_THREAD, scale, int(lse))
     return result if lse else None
 
 
 def _sm80_attention(out, q, q_scale, k, k_scale, v, scale, lse: bool) -> Optional[torch.Tensor]:
-    """SageAttention 2's sm80 kernel (fp16 PV, fp32 accumulation) into `out`; its base-2 LSE `(B, H, Nq)` when
-    `lse`."""
-    from sageattention import _qattn_sm80
-    result = _qattn_sm80.qk_int8_sv_f16_accum_f32_attn(q, k, v, out, q_scale, k_scale, NHD, NOT_CAUSAL, PER_THREAD,
-                                                      scale, int(lse))
+    """SageAttention 2's sm80 kernel (fp16 PV, fp32 accumulation; its `torch.library` op) into `out`; its base-2
+    LSE `(B, H, Nq)` when `lse`."""
+    importlib.import_module("sageattention.sm80_compile")   # registers the op
+    result = torch.ops.sageattention.qk_int8_sv_f16_accum_f32_attn(q, k, v, out, q_scale, k_scale, NHD, NOT_CAUSAL,
+                                                                   PER_THREAD, scale, int(lse))
     return result if lse else None
 
 
@@ -333,7 +335,7 @@ def _merge_native_prefix(out, lse, q, q_scale, prefix: KVPrefix, scale) -> torch
 def _triton_attention(out, q, q_scale, k, k_scale, v, mask, lse: bool) -> Optional[torch.Tensor]:
     """SageAttention 2's Triton kernel into `out`, with a bool or additive `mask` broadcast to
     `(B, heads, Nq, Nk)`; its base-2 LSE when `lse`."""
-    from sageattention.triton.attn_qk_int8_per_block import _attn_fwd
+    attention = sage2_triton_attention()
     batch, q_tokens, heads, dim = q.shape
     kv_tokens, kv_heads = k.shape[1], k.shape[2]
     if mask is not None:
@@ -346,7 +348,7 @@ def _triton_attention(out, q, q_scale, k, k_scale, v, mask, lse: bool) -> Option
     else:
         mask_strides = (0, 0, 0, 0)
     result = torch.empty((batch, heads, q_tokens) if lse else (0,), dtype=torch.float32, device=q.device)
-    _attn_fwd[(kernels.cdiv(q_tokens, TRITON_Q_BLOCK), heads, batch)](
+    attention[(kernels.cdiv(q_tokens, TRITON_Q_BLOCK), heads, batch)](
         q, k, v, q_scale, k_scale, out, mask, result,
         q.stride(0), q.stride(2), q.stride(1), k.stride(0), k.stride(2), k.stride(1),
         v.stride(0), v.stride(2), v.stride(1), out.stride(0), out.stride(2), out.stride(1),

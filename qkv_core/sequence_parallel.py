@@ -76,23 +76,23 @@ def valid_group_counts(heads: int, world: int) -> list[int]:
     return [g for g in range(1, heads // world + 1) if (heads // world) % g == 0]
 
 
-def exchange_group_count(heads: int, world: int, tokens: int, level=None, floor: Optional[int] = None,
-                         split_heads: Optional[bool] = None, unsliceable: Optional[str] = None,
-                         group_scale: Optional[float] = None) -> int:
+def exchange_group_count(heads: int, world: int, tokens: int, level=None,
+                         split_floor_tokens: Optional[int] = None, split_heads: Optional[bool] = None,
+                         unsliceable: Optional[str] = None, group_scale: Optional[float] = None) -> int:
     """How many head groups the exchange of `tokens` tokens of one item (the whole sequence, all ranks) runs in:
-    the call's `head_split.SplitPolicy` (`level`, `floor`, `group_scale`; None: the defaults) for `heads / world`
-    exchange units (each group's heads a multiple of the world size), so the level's target count is met as
-    closely as the head count allows."""
-    return SplitPolicy.of_call(level, floor, group_scale).plan(heads // world, tokens, split_heads=split_heads,
-                                                               unsliceable=unsliceable).groups
+    the call's `head_split.SplitPolicy` (`level`, `split_floor_tokens`, `group_scale`; None: the defaults) for
+    `heads / world` exchange units (each group's heads a multiple of the world size), so the level's target
+    count is met as closely as the head count allows."""
+    policy = SplitPolicy.of_call(level, split_floor_tokens, group_scale)
+    return policy.plan(heads // world, tokens, split_heads=split_heads, unsliceable=unsliceable).groups
 
 
 def _check(heads: int, head_dim: int, kv_heads: Optional[int], world: int, groups: Optional[int],
            o_proj, o_columns: bool, force_attention: Optional[str], softmax_scale, group_scale=None, level=None,
-           floor=None, split_heads=None, norm_spans_heads=False, norm_rope=None) -> None:
+           split_floor_tokens=None, split_heads=None, norm_spans_heads=False, norm_rope=None) -> None:
     """`ValueError`s naming the fix, before any work or communication (the shared ones: `validation`)."""
     validate_heads(heads, head_dim, kv_heads)
-    validate_split_options(level, floor, group_scale)
+    validate_split_options(level, split_floor_tokens, group_scale)
     validate_switches(split_heads=split_heads, norm_spans_heads=norm_spans_heads, o_columns=o_columns)
     validate_callables(norm_rope=norm_rope)
     validate_softmax_scale(softmax_scale)

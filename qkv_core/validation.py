@@ -254,14 +254,14 @@ def validate_heads(heads: Any, head_dim: Any, kv_heads: Any = None) -> None:
                          f"heads and the channels of each")
 
 
-def validate_split_options(level: Any, floor: Any, group_scale: Any) -> None:
+def validate_split_options(level: Any, split_floor_tokens: Any, group_scale: Any) -> None:
     """`head_split_level` (`parse_level`), `split_floor_tokens` (an int >= 0), `head_split_group_scale` (a number
     > 0); None for each: the default."""
     if level is not None:
         parse_level(level)
-    if floor is not None and (not _is_int(floor) or floor < 0):
+    if split_floor_tokens is not None and (not _is_int(split_floor_tokens) or split_floor_tokens < 0):
         raise ValueError(f"split_floor_tokens is the fewest tokens (of one batch item) that are split, an int "
-                         f">= 0, not {floor!r}; leave it out for the default")
+                         f">= 0, not {split_floor_tokens!r}; leave it out for the default")
     if group_scale is not None and (isinstance(group_scale, bool) or not isinstance(group_scale, (int, float))
                                     or not group_scale > 0):
         raise ValueError(f"head_split_group_scale multiplies the level's head groups, a number > 0, not "

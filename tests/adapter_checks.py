@@ -36,7 +36,7 @@ def check_every_level(env, base, inputs: dict, heads: int, patched_counts: Calla
     (`split_everything`)."""
     torch = env.torch
     reference = comfy_env.model_forward(base, inputs)
-    groups = groups or (lambda level: env.core.group_count(heads, 10**6, level, floor=0))
+    groups = groups or (lambda level: env.core.group_count(heads, 10**6, level, split_floor_tokens=0))
     for level in LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)

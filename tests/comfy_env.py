@@ -356,7 +356,7 @@ def load_pack(repo_root=REPO_ROOT, name="comfyui_qkv_under_test", reload=False, 
 
 
 @contextlib.contextmanager
-def split_floor(modules, tokens: int):
+def split_floor_tokens(modules, tokens: int):
     """The runtime's split floor set to `tokens` (of one batch item) inside, restored after: tests whose tiny
     models run cond + uncond of ~4k tokens each split as real sizes (8,192+ tokens an item) do."""
     saved = modules.core.head_split.SPLIT_FLOOR_TOKENS

@@ -30,11 +30,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _qkv_core_defaults():
-    """Every test starts and ends with qkv_core's global backend choice at its default and no notices."""
+    """Every test starts and ends with no notices."""
     import qkv_core as qc
     qc.reset_notices()
     yield
-    qc.backends.set_attention_backend("auto")
     qc.reset_notices()
 
 

@@ -156,7 +156,7 @@ def test_the_whole_model_benchmark_runs_every_family_tiny(capsys):
 
 
 def test_the_whole_model_benchmark_takes_a_level_and_a_split_floor(tmp_path):
-    """`--family-models --level L --split-floor N`: the pack at that level, the runtime's split floor N for the
+    """`--family-models --level L --split-floor-tokens N`: the pack at that level, the runtime's split floor N for the
     run (a floor above the tiny model's tokens: the plan says the split does not run), the floor restored."""
     import json
     comfy_env.require_comfyui()
@@ -166,16 +166,16 @@ def test_the_whole_model_benchmark_takes_a_level_and_a_split_floor(tmp_path):
     floor = head_split.SPLIT_FLOOR_TOKENS
     out = tmp_path / "rows.json"
     assert models.main(["--tiny", "--device", "cpu", "--repeats", "1", "--cases", "qwen-image-1328", "--level",
-                        "Medium", "--split-floor", "100000", "--json", str(out)]) == 0
+                        "Medium", "--split-floor-tokens", "100000", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     row = report["rows"][0]
-    assert (report["level"], report["split_floor"]) == ("Medium", 100000)
+    assert (report["level"], report["split_floor_tokens"]) == ("Medium", 100000)
     assert row["plan_why"].startswith("no head split") and row["max_rel_diff"] < 2e-2
     assert head_split.SPLIT_FLOOR_TOKENS == floor
 
 
 def test_the_families_benchmark_forces_the_split_where_asked():
-    """`--families --split-floor 0` splits a block that the family's own floor keeps whole (a tiny Flux double
+    """`--families --split-floor-tokens 0` splits a block that the family's own floor keeps whole (a tiny Flux double
     block: 1,040 tokens), which lowers the pack's peak; either way the pack's output is stock's (float32 on CPU)."""
     import torch
     comfy_env.require_comfyui()
@@ -185,7 +185,7 @@ def test_the_families_benchmark_forces_the_split_where_asked():
                        blocks.flux_case("double", 1024, 16, width=512, heads=4))
     cpu = torch.device("cpu")
     whole = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3)
-    split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor=0)
+    split = blocks.run_case(case, cpu, torch.float32, "sdpa", repeats=1, level=3, split_floor_tokens=0)
     assert whole["max_rel_diff"] < 1e-5 and split["max_rel_diff"] < 1e-5
     assert split["pack_peak_x"] < whole["pack_peak_x"] < whole["stock_peak_x"]
 
@@ -208,7 +208,7 @@ def test_the_families_benchmark_times_calls_back_to_back(tmp_path):
     try:
         out = tmp_path / "rows.json"
         assert blocks.main(["--cases", "flux-tiny", "--device", "cpu", "--repeats", "2", "--chain", "3",
-                            "--split-floor", "0", "--json", str(out)]) == 0
+                            "--split-floor-tokens", "0", "--json", str(out)]) == 0
     finally:
         blocks._run_all = original
         blocks.CASES.pop("flux-tiny")
@@ -231,7 +231,7 @@ def test_the_families_benchmark_times_the_fast_paths_on_and_off(tmp_path):
                                             blocks.flux_case("double", 1024, 16, width=512, heads=4))
     out = tmp_path / "ab.json"
     try:
-        assert blocks.main(["--cases", "flux-tiny", "--device", "cpu", "--repeats", "1", "--split-floor", "0",
+        assert blocks.main(["--cases", "flux-tiny", "--device", "cpu", "--repeats", "1", "--split-floor-tokens", "0",
                             "--fast-paths-ab", "--fast-paths", "none,-kept_launches", "--ab-rounds", "2",
                             "--json", str(out)]) == 0
     finally:

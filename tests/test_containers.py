@@ -20,7 +20,7 @@ pytestmark = pytest.mark.comfyui
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
         yield modules
 
 

@@ -29,7 +29,7 @@ CASE_SPLIT_FLOOR = 4096
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
         yield modules
 
 
@@ -48,7 +48,7 @@ def _family_floor(request, env):
     if scale == 1:
         yield
         return
-    with comfy_env.split_floor(env, round(CASE_SPLIT_FLOOR / scale)):
+    with comfy_env.split_floor_tokens(env, round(CASE_SPLIT_FLOOR / scale)):
         yield
 
 
@@ -260,7 +260,7 @@ def test_each_family_splits_from_its_own_floor(env, family):
     scale = registered(env, family).measured.split_floor_scale
     with comfy_env.SdpaHeads(env.torch) as stock_spy:
         reference = _forward(case)
-    with comfy_env.split_floor(env, round(max(stock_spy.self_tokens) / 1.2)):
+    with comfy_env.split_floor_tokens(env, round(max(stock_spy.self_tokens) / 1.2)):
         patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", True)
         env.core.reset_notices()
         _forward(case, applied=patched)   # the self-checks (the split forced) run at the first call of a kind
@@ -301,7 +301,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
     # the runtime's floor that puts the family's (x its scale) at `tokens` or under, then just above `longest`
     for name, runtime_floor in (("at the floor", int(tokens // scale)),
                                 ("under it", math.ceil((longest + 1) / scale))):
-        with comfy_env.split_floor(env, runtime_floor):
+        with comfy_env.split_floor_tokens(env, runtime_floor):
             env.core.drain_tally()
             _forward(case, applied=patched)   # the self-checks of a first call are not counted
             tally = env.core.drain_tally()
@@ -326,7 +326,7 @@ def test_the_planner_counts_the_groups_of_calls_attended_over_their_queries(env,
     model = comfy_env.make_wan("t2v", dim=128, heads=4, layers=1).model.diffusion_model
     config = env.node.QKVConfig(3, "sdpa", True)
     shape = (2, 16, 4, 128, 128)   # 4 x 64 x 64 = 16,384 tokens an item: Wan's floor (2 x 8,192)
-    with comfy_env.split_floor(env, 8192):
+    with comfy_env.split_floor_tokens(env, 8192):
         assert not planner.over_queries(config, 16384, 4, 128, env.torch.bfloat16, env.torch.device("cpu"))
         plain = planner.plan(wan, model, shape, config)
         monkeypatch.setattr(planner, "over_queries", lambda *args, **kwargs: True)

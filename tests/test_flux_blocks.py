@@ -113,7 +113,7 @@ def test_blocks_equal_stock(env, flux, variant, bounds):
     blocks = build_blocks(torch, variant)
     # per-range modulation: one batch item (ComfyUI v0.8's apply_mod indexes the ranges' vectors per item)
     double_in, single_in = block_inputs(torch, variant, blocks, batch=1 if variant == "per_range" else 2)
-    config = env.node.QKVConfig(level=3, backend="sdpa", block=bounds, split_floor=0)
+    config = env.node.QKVConfig(level=3, backend="sdpa", block=bounds, split_floor_tokens=0)
     env.core.reset_notices()
     with torch.no_grad():
         for block, inputs, make in ((blocks[0], double_in, flux.double_block_forward),

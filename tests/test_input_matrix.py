@@ -302,7 +302,7 @@ ROWS = _rows()
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), MATRIX_FLOOR) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), MATRIX_FLOOR) as modules:
         yield modules
 
 
@@ -326,7 +326,7 @@ def models():
 def _floor(env, family, floor):
     """The runtime floor that puts `family`'s own floor (x its split_floor_scale) at `floor`."""
     adapter = importlib.import_module(f"{env.pack.__name__}.nodes.families.{FAMILIES[family].adapter}")
-    return comfy_env.split_floor(env, round(floor / adapter.SPEC.measured.split_floor_scale))
+    return comfy_env.split_floor_tokens(env, round(floor / adapter.SPEC.measured.split_floor_scale))
 
 
 class SelfAttentionCalls:
@@ -377,7 +377,7 @@ def _distance(a, b):
     return float((a.double() - b.double()).norm())
 
 
-def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR, expect=None):
+def run_row(env, patcher, family, cond, device="cpu", size=1, split_floor_tokens=MATRIX_FLOOR, expect=None):
     """One row: ComfyUI's forward and the patched one (High, block bounds, SDPA) on `cond`'s inputs in the
     format's compute dtype, judged against the float32 reference (see the module docstring). `expect(stock
     forward)` may add checks of ComfyUI's own run (the GPU rows: real fp8 matmuls). Returns the relative distances
@@ -389,7 +389,7 @@ def run_row(env, patcher, family, cond, device="cpu", size=1, floor=MATRIX_FLOOR
     inputs = _on(formats.as_compute(spec.inputs(torch, cond, patcher.model, size=size), fmt.compute), device)
     float_inputs = formats.as_compute(inputs, torch.float32)
     env.compat.forget_verdicts()   # each row's own conditionings are self-checked
-    with _floor(env, family, floor):
+    with _floor(env, family, split_floor_tokens):
         if expect is not None:
             stock = expect(lambda: comfy_env.model_forward(patcher, inputs))
         else:
@@ -468,7 +468,7 @@ def gpu_env():
                                     node=importlib.import_module(f"{package}.nodes.patching"),
                                     compat=importlib.import_module(f"{package}.nodes.compat"),
                                     core=importlib.import_module(f"{package}.qkv_core"))
-    with comfy_env.split_floor(modules, GPU_FLOOR):
+    with comfy_env.split_floor_tokens(modules, GPU_FLOOR):
         yield modules
 
 
@@ -488,5 +488,6 @@ def _runs_fp8_matmuls(torch):
 def test_gpu_row(gpu_env, models, family, fmt, cond):
     """fp8-scaled in both layouts on CUDA, bf16, 4x the CPU rows' tokens: the layers quantize their inputs for
     real fp8 matmuls (a scaled-mm kernel runs in ComfyUI's own forward)."""
-    run_row(gpu_env, models(family, fmt, "cuda"), family, cond, device="cuda", size=GPU_SIZE, floor=GPU_FLOOR,
+    run_row(gpu_env, models(family, fmt, "cuda"), family, cond, device="cuda", size=GPU_SIZE,
+            split_floor_tokens=GPU_FLOOR,
             expect=_runs_fp8_matmuls(gpu_env.torch))

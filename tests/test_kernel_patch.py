@@ -85,7 +85,8 @@ def test_what_the_pack_leaves_to_comfyui(env, kernel, monkeypatch):
     attention.optimized_attention(q, k, v, 2, transformer_options=ours, some_new_argument=1)
     attention.optimized_attention(q, k, v, 2, transformer_options=ours, preferred_attention="sage")
     assert not kernel.calls
-    monkeypatch.setattr(kernel, "comfy_kernel_chosen", lambda: True)
+    monkeypatch.setattr(importlib.import_module(env.pack.__name__ + ".nodes.dispatch"), "comfy_kernel_chosen",
+                        lambda: True)   # read by the one backend decision, `choose_backend`
     attention.optimized_attention(q, k, v, 2, transformer_options=ours)
     assert not kernel.calls
     attention.optimized_attention(q, k, v, 2, transformer_options={

@@ -5,13 +5,19 @@ checks the real launcher's numbers against Triton's own launch; `tests/test_fast
 fallback against other Triton versions.)"""
 from __future__ import annotations
 
-import inspect
 import types
 
 import pytest
 import torch
 
 from qkv_core import fast_paths, launch
+
+
+@pytest.fixture(autouse=True)
+def every_fast_path_on():
+    """`direct_launch` is off by default (`fast_paths.OFF_BY_DEFAULT`): these tests are about that path."""
+    with fast_paths.only(set(fast_paths.FAST_PATHS)):
+        yield
 
 
 class Compiled:
@@ -152,10 +158,9 @@ def test_the_fast_path_switch_and_the_first_use_check_send_every_launch_through_
 
 def test_the_first_use_check_reads_the_installed_tritons_launch(monkeypatch):
     """`triton_problem` is asked once; it names why the launcher is not called directly: the interpreter, a
-    Triton before 3.2, a `JITFunction.run` that calls its launchers otherwise, a driver without the calls used
-    here; None where all is as this module calls it."""
+    Triton not in `TESTED_TRITON_VERSIONS`, a driver without the calls used here; None where all is as this module
+    calls it."""
     triton = pytest.importorskip("triton")
-    jit = pytest.importorskip("triton.runtime.jit")
     assert launch._layout_problem() is None, f"Triton {triton.__version__}"   # the Triton installed here
     good = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 0)
     monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=good))
@@ -167,12 +172,9 @@ def test_the_first_use_check_reads_the_installed_tritons_launch(monkeypatch):
     monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=types.SimpleNamespace()))
     assert "get_current_device" in launch._find_problem()
     monkeypatch.setattr(launch, "_driver", types.SimpleNamespace(active=good))
-    source = inspect.getsource(jit.JITFunction.run)
-    monkeypatch.setattr(launch.inspect, "getsource", lambda fn: source.replace("kernel.packed_metadata", "meta"))
-    assert "another way" in launch._find_problem()
-    monkeypatch.setattr(launch.inspect, "getsource", lambda fn: source)
-    monkeypatch.setattr(launch.triton, "__version__", "3.1.0")
-    assert "before 3.2" in launch._find_problem()
+    for untested in ("3.1.0", "3.7.0", "4.0.0"):
+        monkeypatch.setattr(launch.triton, "__version__", untested)
+        assert "not one of the versions" in launch._find_problem()
     monkeypatch.setattr(launch, "_problem", launch._NOT_YET)
     monkeypatch.setattr(launch, "_find_problem", lambda: "once")
     assert launch.triton_problem() == "once"

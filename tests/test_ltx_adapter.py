@@ -107,7 +107,7 @@ def check_every_level(env, base, inputs, counts: dict, levels=LEVELS, skipped=()
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     again = forward(base, inputs)   # the unpatched model is stock again
     assert all(torch.equal(a, b) for a, b in zip(again, reference)) if isinstance(again, list) else \
@@ -342,7 +342,8 @@ def test_the_split_floor_is_three_times_the_runtimes(env, ltx):
     planner = importlib.import_module(env.pack.__name__ + ".nodes.planner")
     config = dispatch.QKVConfig(3, "sdpa", True)
     ltx_config = ltx.SPEC.configure(config)
-    assert config.policy.floor == 8192 and ltx_config.policy.floor == 24576
+    assert config.policy.effective_split_floor_tokens == 8192
+    assert ltx_config.policy.effective_split_floor_tokens == 24576
     assert ltx_config.policy.short_runs_stock and not config.policy.short_runs_stock
     assert dispatch.attention_kwargs(ltx_config, {})["split_floor_tokens"] == 24576
     assert "split_floor_tokens" not in dispatch.attention_kwargs(config, {})

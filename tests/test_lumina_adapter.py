@@ -91,7 +91,7 @@ def check_every_level(env, base, inputs, heads: int, kv_heads: int):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(kv_heads, 10**6, LEVELS.index(level), floor=0)
+            groups = env.core.group_count(kv_heads, 10**6, LEVELS.index(level), split_floor_tokens=0)
             assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

@@ -41,7 +41,7 @@ ROWS = [(family, fmt, cond, plant) for family in FAMILIES for fmt in FORMATS for
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), matrix.MATRIX_FLOOR) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), matrix.MATRIX_FLOOR) as modules:
         yield modules
 
 

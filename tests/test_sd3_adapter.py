@@ -96,7 +96,7 @@ def test_equals_stock_at_every_level(env, split_everything, layout):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (layout, level, block)
             assert rel_err(out, reference) <= 1e-5, (layout, level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), floor=0)
+            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

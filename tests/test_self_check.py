@@ -24,7 +24,7 @@ SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: split (the floo
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
         yield modules
 
 

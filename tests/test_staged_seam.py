@@ -85,7 +85,6 @@ def fake(request):
     backend = FakeBackend(core)
     qc.backends.register_backend(backend)
     request.addfinalizer(lambda: qc.backends.unregister_backend(NAME))
-    request.addfinalizer(lambda: qc.backends.set_attention_backend("auto"))
     assert NAME in qc.backend_names() and qc.backend_names()[-1] == "sdpa"
     return core
 
@@ -182,12 +181,12 @@ def test_staged_order_and_results(fake, kv_heads, level):
     assert fake.settings_calls[0][:2] == ((16, 512, H // groups, D), (16, 512, kv_heads // groups, D))
 
 
-def test_staged_by_global_choice_with_norm_v_and_span_norm(fake):
-    qc.backends.set_attention_backend(NAME)
+def test_staged_with_norm_v_and_span_norm(fake):
     qp, kp, vp = make_qkv(FEAT, H, D, 4, seed=3)
     x = randn(16, 512, FEAT, seed=4)
     norm, vnorm = SpanningNormRope(H, 4, D), ValueNorm(4)
-    got = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm)
+    got = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm,
+                           force_attention=NAME)
     assert fake.log.count("attention") == 4
     want = qc.qkv_attention([x], qp, kp, vp, H, D, norm, kv_heads=4, norm_spans_heads=True, norm_v=vnorm,
                             force_attention="sdpa")
@@ -388,14 +387,14 @@ def test_native_prefix_goes_to_the_core_by_groups():
         qc.backends.unregister_backend("fake-native")
 
 @pytest.mark.parametrize("capability,modules,masked,mode", [
-    ((9, 0), {"_qattn_sm90"}, False, "sm90"),
+    ((9, 0), {"sm90_compile"}, False, "sm90"),
     ((9, 0), set(), False, "sageattn"),          # a build without the Hopper kernel: its own sageattn
-    ((8, 0), {"_qattn_sm80"}, False, "sm80"),
+    ((8, 0), {"sm80_compile"}, False, "sm80"),
     ((8, 0), set(), False, "sageattn"),
     ((8, 6), set(), False, "triton"),            # what sageattn runs on sm86
-    ((8, 9), {"_qattn_sm89"}, False, "sageattn"),  # Ada: not staged (its kernel could not be checked)
-    ((12, 0), {"_qattn_sm89"}, False, "sageattn"),
-    ((9, 0), {"_qattn_sm90"}, True, "triton"),   # masks: the Triton kernel on every GPU
+    ((8, 9), {"sm89_compile"}, False, "sageattn"),  # Ada: not staged (its kernel could not be checked)
+    ((12, 0), {"sm89_compile"}, False, "sageattn"),
+    ((9, 0), {"sm90_compile"}, True, "triton"),   # masks: the Triton kernel on every GPU
 ])
 def test_sage2_kernel_mode_by_gpu(monkeypatch, capability, modules, masked, mode):
     """SageAttention 2's staged core picks each GPU's kernel as `sageattn` does, where the installed build has it

@@ -36,7 +36,7 @@ GPU_CASES = [(fmt, order, way) for fmt in ("bf16", "fp8_scaled", "scaled_fp8") f
 
 @pytest.fixture(scope="module")
 def env():
-    with comfy_env.split_floor(comfy_env.pack_modules(), 0) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 0) as modules:
         yield modules
 
 

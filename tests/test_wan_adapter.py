@@ -26,7 +26,7 @@ KINDS = ("t2v", "i2v", "wan22_5b", "vace")
 def env():
     # cond + uncond of 4,224 tokens each: split as 16,384+ tokens an item are (the floor counts one item; Wan's is
     # 2x the runtime's, `wan.SPEC.measured.split_floor_scale`)
-    with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
         yield modules
 
 
@@ -371,7 +371,7 @@ def test_cross_attention_counts_one_item_against_the_floor(env, kind):
         reference = module(x, context, context_img_len=image_tokens or None)
     for floor, whole in ((text + 1, True), (text * batch - 1, True), (text, False)):
         assert (batch * text >= floor) or whole
-        config = env.node.QKVConfig(3, "sdpa", True, split_floor=floor)
+        config = env.node.QKVConfig(3, "sdpa", True, split_floor_tokens=floor)
         cross = wan.CrossAttention(module, context, image_tokens or None, config, {}, like=x)
         try:
             assert isinstance(cross.rows[1], core.WholeProjection) == whole, (floor, cross.rows)

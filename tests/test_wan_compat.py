@@ -29,7 +29,7 @@ MODEL = dict(dim=256, heads=8, layers=1)
 def env():
     # cond + uncond of 4,224 tokens each: split as 16,384+ tokens an item are (the floor counts one item; Wan's is
     # 2x the runtime's, `wan.SPEC.measured.split_floor_scale`)
-    with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
         yield modules
 
 

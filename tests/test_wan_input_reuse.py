@@ -21,7 +21,7 @@ pytestmark = pytest.mark.comfyui
 @pytest.fixture(scope="module")
 def env():
     # cond + uncond of 4,224 tokens each split (the floor counts one item; lowered as in test_wan_compat)
-    with comfy_env.split_floor(comfy_env.pack_modules(), 2048) as modules:
+    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
         yield modules
 
 

@@ -156,7 +156,7 @@ class CrossAttention:
             self.kwargs = {key: value for key, value in choice.items() if key != "force_attention"}
             self.kwargs["attention_fn"] = text_plus_image
         self.context = context
-        if context.shape[1] < config.policy.floor:
+        if not config.policy.projects_by_rows(context.shape[1]):
             # a short stream (tokens of one item, as the runtime counts them): the text keys (normalized) and
             # values computed once, which the runtime slices per group
             self.rows = [query, _projected_once(module.k, context, module.norm_k), _projected_once(module.v, context)]
