@@ -15,6 +15,8 @@ import comfy_env
 import qkv_core as qc
 from qkv_core import notices
 
+pytestmark = pytest.mark.comfyui
+
 # What nodes/report.py matched before notices had kinds: a line it took for a module on ComfyUI's forward
 OLD_RAN_STOCK = re.compile(r"^\[QKV\] (?P<what>.+?) runs as ComfyUI's own: (?P<reason>.*)$", re.DOTALL)
 
