@@ -20,9 +20,9 @@ from .head_split import HeadGroup
 from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 
 # A key/value stream this short next to the call's key tokens projects its k and v whole, once (see
-# `CallStreams.prepare`): held through the groups, they cost at most ~3 % of the joined stream's size. 1/16 let
-# Qwen-Image 1328^2's prompt in (256 of 7,145 tokens: 2.51 x|x| at 8 groups on an H200, 2.47 without); HunyuanVideo's
-# (256 of ~76,000) still is.
+# `CallStreams.prepare`): held through the groups, they cost at most ~3 % of the joined stream's size. A larger
+# share would let Qwen-Image 1328^2's prompt in (256 of 7,145 tokens), raising its block's peak; HunyuanVideo's
+# (256 of ~76,000) is in.
 SHORT_STREAM_SHARE = 1 / 64
 
 
