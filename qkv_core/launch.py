@@ -208,12 +208,9 @@ def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) 
 
 
 def kept_across_calls(key: tuple, make: Callable[[], Any]) -> Any:
-    """What `make()` returns for `key`, made once and kept beside the shared launches (the same bound of the
-    most recently used, dropped with them by `forget_shared_launches`): a pass's arguments worked out from its
-    tensors' layouts, which the next call of the same layout would work out again. `key` starts with the kept
-    object's class (no clash with `shared_launch`'s keys, which start with an int); what is kept must hold no
-    tensor; None is kept too (a layout the kernel declines is not checked again). The caller asks its own fast
-    path first (`pass_layouts`, `over_queries_pass`)."""
+    """What `make()` returns for `key`, made once and kept beside the shared launches (their bound; dropped by
+    `forget_shared_launches`). `key` starts with the kept object's class; what is kept holds no tensor (None is kept
+    too). The caller asks its own fast path first (`pass_layouts`, `over_queries_pass`)."""
     found = _shared.get(key, _NOT_YET)
     if found is not _NOT_YET:
         _shared.move_to_end(key)

@@ -196,12 +196,9 @@ class Sage2Core(StagedCore):
         return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
 
     def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings, span_eps=None):
-        """`staged_quantize_q`'s result for q `(B, N, h, D)` before its norm and RoPE (`kernels.norm_rope_`'s
-        arguments; q is not changed), normalized, rotated and quantized in one pass: the sm90 kernel's per-thread
-        layout, what the three steps give (the same scales; rarely a value one int8 step apart, where the GPU
-        compiler contracts the rotation differently). None where that pass does not apply
-        (the caller then runs them). `span_eps` instead of `inverse_rms`: q holds every head, and the pass takes
-        each token's inverse RMS over them itself (`kernels.norm_rope_`)."""
+        """`staged_quantize_q`'s result for q `(B, N, h, D)` (not changed) normalized, rotated and quantized in one sm90
+        pass (`kernels.norm_rope_`'s arguments; `span_eps`: q holds every head), as the three steps give it (rarely one
+        int8 step apart). None where that pass does not apply (the caller then runs them)."""
         if settings.kernel != "sm90" or settings.return_lse:
             return None
         quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs, span_eps=span_eps)
