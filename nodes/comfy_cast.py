@@ -62,12 +62,12 @@ def cast_owned(layer, x, **kwargs) -> tuple:
 
     Why: with an offload stream (weights not on the GPU, partially loaded models) ComfyUI casts into one
     buffer per stream that the next cast on that stream overwrites; its own layers use a weight before the
-    next layer casts, the pack holds q, k and v (and the FFN's two) at once. Measured on an H200 (a Wan 14B
-    partly offloaded on a 24 GB plan): the held weights were overwritten and the self-check found the
-    outputs different. So a cast that went through a stream is copied out of its buffer (one GPU copy of a
-    weight: microseconds), and the buffer is handed back at once (`uncast_bias_weight`), which also
-    releases Dynamic VRAM's pin. A cast with no stream returns fresh tensors (or the layer's own, on the
-    GPU already): kept as they are. `kwargs`: `compute_dtype`/`want_requant` where this ComfyUI has them."""
+    next layer casts, the pack holds q, k and v (and the FFN's two) at once. With a Wan 14B partly offloaded
+    on a 24 GB plan the held weights were overwritten and the self-check found the outputs different. So a
+    cast that went through a stream is copied out of its buffer (one GPU copy of a weight: microseconds),
+    and the buffer is handed back at once (`uncast_bias_weight`), which also releases Dynamic VRAM's pin. A
+    cast with no stream returns fresh tensors (or the layer's own, on the GPU already): kept as they are.
+    `kwargs`: `compute_dtype`/`want_requant` where this ComfyUI has them."""
     kwargs = {k: v for k, v in kwargs.items() if k in _CAST_KWARGS}
     if not _CAST_OFFLOADABLE or _UNCAST is None:
         return comfy.ops.cast_bias_weight(layer, x, **kwargs)

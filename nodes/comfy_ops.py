@@ -351,7 +351,7 @@ def row_caster(linear, x: torch.Tensor, sliceable: bool = False) -> Optional[Cal
     - GGUF (city96/ComfyUI-GGUF): every quantized block lies inside one row (a row is whole blocks), so the
       layer's own `get_weight` on a row slice of the raw blocks dequantizes exactly those rows.
     Why: the whole cast weight of k and v stays beside the input for the layer call; at 720p a Wan 14B
-    weight is 0.07 |x| each, and holding them put the block at 2.54 |x| (H200, fp8). `sliceable=True`: the
+    weight is 0.07 |x| each, and holding them puts the block over High's peak. `sliceable=True`: the
     caller has found `not_row_sliceable(linear)` None (not asked again)."""
     weight, bias = module_attr(linear, "weight"), module_attr(linear, "bias")
     if (module_attr(linear, "_v", _ASK) is not _ASK or module_attr(linear, "weight_function", None)

@@ -429,8 +429,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     (`sequence_parallel.Agreement`: every reason to run stock and whether the verdict is cached, agreed in one
     all-reduce before the check; then the check's verdict, `self_check`'s `agree`). A call whose sequences are
     all under the split floor runs ComfyUI's own forward where `config.policy.runs_stock` says so (families whose
-    bounded forwards are slower than ComfyUI's there: whole models on an H200 at 1 MP ran 1.1-1.8x stock's time,
-    for ~0.5 GiB)."""
+    bounded forwards are slower than ComfyUI's there, for little memory saved: docs/benchmarks.md#split-floors)."""
     stock = stock_forward(module)
     ours = ours_factory(module, config)
     checked = ours_factory(module, config._replace(split_floor_tokens=0))

@@ -53,7 +53,7 @@ class ModuleTree(NamedTuple):
 
 def module_tree(module) -> ModuleTree:
     """`ModuleTree` of `module`: each module once, in `named_modules()`' order, through the modules' own dicts
-    (`named_modules()`' nested generators and `hasattr` cost a block call about 0.1 ms of host time). Within
+    (`named_modules()`' nested generators and `hasattr` cost every block call host time). Within
     one guarded call's checks it is walked once (`layers_signature` and `foreign_part` both ask)."""
     walked = getattr(_local, "trees", None)
     if walked is not None:

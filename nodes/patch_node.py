@@ -17,11 +17,9 @@ def patch_widgets() -> list:
                        tooltip="Attend long sequences (from 8,192 to 28,672 tokens of one image or "
                                "video on, by family: the README says which) one group of heads at a "
                                "time. Off: as ComfyUI does. Low/Medium/High: about 4/8/16 groups; the "
-                               "higher, the less VRAM (a Wan 14B block with block_bounds at 720p: Off "
-                               "4.5, Medium 2.4, High 2.3 times its input; on SageAttention 2 on "
-                               "Hopper 2.2 at every level, Low the fastest). Shorter sequences (images of "
-                               "about 1 MP, 1 MP edits with a reference, short 480p clips) are not "
-                               "split. The QKV VRAM Planner node estimates each level for your latent."),
+                               "higher, the less VRAM. Shorter sequences (images of about 1 MP, 1 MP "
+                               "edits with a reference, short 480p clips) are not split. The QKV VRAM "
+                               "Planner node estimates each level for your latent."),
         io.Combo.Input("attention_backend", options=backend_choices(), default=AUTO,
                        tooltip="auto: the best installed kernel (SageAttention 2 on long calls, "
                                "FlashAttention, else PyTorch SDPA), or ComfyUI's dispatcher if you "

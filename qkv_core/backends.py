@@ -54,12 +54,9 @@ class AttentionBackend:
         raise NotImplementedError
 
 
-# SDPA's kernel order for long CUDA calls, by compute capability (`gpus.Architecture.sdpa_cudnn_first`). Left to the ambient order, the pack's calls
-# ran at very different speeds in different ComfyUI processes on one H200 (the 720p Wan block: 293 ms beside
-# ComfyUI v0.8.0, which asks for cuDNN first in its own calls; 422 ms beside v0.33, which asks for
-# FlashAttention first), so the pack sets its own: cuDNN attention first on Hopper and Blackwell (40 heads x
-# 75,600 tokens: cuDNN 232 ms, FlashAttention 2 354 ms), FlashAttention 2 first on Ampere and Ada, where it is
-# the faster of the two.
+# SDPA's kernel order for long CUDA calls, by compute capability (`gpus.Architecture.sdpa_cudnn_first`): the
+# ambient order depends on the ComfyUI version, so the pack sets its own, the faster kernel first: cuDNN attention
+# on Hopper and Blackwell, FlashAttention 2 on Ampere and Ada (docs/benchmarks.md#wan-block).
 SDPA_ORDER_MIN_ELEMENTS = 1024 * 128   # below this, the ambient order (ComfyUI measured cuDNN slower there)
 
 
@@ -83,9 +80,9 @@ _HELD = threading.local()   # .order: the order `held_sdpa_order` has set around
 @contextlib.contextmanager
 def held_sdpa_order(device: torch.device, group_elements: int):
     """Sets SDPA's kernel order once around all the head groups of one call, each group's q having
-    `group_elements` elements, so that `SDPABackend.attend` does not enter `sdpa_kernel` per group: entering and
-    leaving it cost ~50 us of host time a group (measured on an H200 host), as much as a short group's
-    attention. Nothing is set where the order is the ambient one, or already held."""
+    `group_elements` elements, so that `SDPABackend.attend` does not enter `sdpa_kernel` per group (its host
+    time is that of a short group's attention; docs/benchmarks.md#fast-paths, `sdpa_order`). Nothing is set
+    where the order is the ambient one, or already held."""
     order = _sdpa_order(device, group_elements)
     if order is None or getattr(_HELD, "order", None) is not None:
         yield
@@ -191,10 +188,9 @@ def sage_major_version(module) -> int:
     return 1 if callable(getattr(module, "sageattn", None)) else 0
 
 
-# `auto` runs SageAttention 2's staged core on calls of at least this many tokens (q or kv, per batch item): on an
-# H200, Qwen-Image 1328^2 with cfg (2 x 7,145 tokens) took 1.80x stock's time on it and ~1.0x on SDPA; Flux 2048^2
-# (16,896) took 1.00x on it, Wan 720p (75,600) 0.59x stock v0.33. Masked calls on Hopper: its Triton kernel takes
-# 249 ms where cuDNN takes 208 (75,600 tokens x 40 heads), so `auto` leaves them to SDPA there.
+# `auto` runs SageAttention 2's staged core on calls of at least this many tokens (q or kv, per batch item):
+# shorter calls spend more on its quantization passes than they save. Masked calls on Hopper stay on SDPA: the
+# Triton kernel that takes masks is slower there than cuDNN's attention.
 SAGE2_AUTO_MIN_TOKENS = 16384
 
 
@@ -211,8 +207,8 @@ class SageBackend(AttentionBackend):
 
     @property
     def measured_in_auto(self) -> bool:
-        # SageAttention 1 against PyTorch's attention depends on the GPU (H200: 260 ms against cuDNN's 208 ms for
-        # 75,600 tokens x 40 heads): `auto` measures it once per GPU, head dim and dtype
+        # SageAttention 1 against PyTorch's attention depends on the GPU (docs/benchmarks.md#sage2): `auto`
+        # measures it once per GPU, head dim and dtype
         return self.major_version() == 1
 
     @property

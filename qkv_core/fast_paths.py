@@ -3,7 +3,8 @@
 A fast path saves host time on a call's critical path (at short lengths a head group's launches, not the GPU, set
 the time) and changes no result: with it off, the plain path runs and gives the same numbers. Each is kept only
 where it saves a measured share of a whole step (`python -m benchmarks.bench --comfyui --families
---fast-paths-ab`, and `--whole-model --fast-paths-ab`, time a step with each one off, in one process).
+--fast-paths-ab`, and `--whole-model --fast-paths-ab`, time a step with each one off, in one process;
+docs/benchmarks.md#fast-paths).
 
 `QKV_FAST_PATHS`, read once at import, says which are on: a comma list applied left to right from the defaults
 (every path on but those of `OFF_BY_DEFAULT`), of `all`, `none`, a name (on) and `-name` (off); e.g.

@@ -142,12 +142,9 @@ class GroupLoop:
 
     def attend(self, group: HeadGroup, out: Optional[torch.Tensor], last: bool, q_in_out: bool,
                q_normed: bool = False) -> Optional[torch.Tensor]:
-        """The attention of one group, `(B, Nq, heads of the group, D)`, for the caller to place, or None where
-        it was written over the group's q in `out` (`over_queries` with `q_in_out`). q, then k,
-        then v, each normalized as soon as it is projected: the norm's scratch is live beside at most two of
-        the three (q, k, v and the scratch together would raise the peak). `q_in_out`: q was projected into
-        this group's heads of `out` (normalized here in place, a strided view, unless `q_normed`: every
-        head's q was normalized at once before the groups, `normalize_all_queries`)."""
+        """One group's attention `(B, Nq, heads of the group, D)` for the caller to place, or None where it was written
+        over the group's q in `out` (`over_queries` with `q_in_out`). `q_in_out`: q is already in the group's heads of
+        `out` (normalized there unless `q_normed`); k and v are normalized as each is projected."""
         o, s = self.o, self.streams
         norm = self.norm_rope
         q = out.narrow(2, group.q.start, len(group.q)) if q_in_out else s.project("q", group.q, last)
@@ -196,12 +193,9 @@ class GroupLoop:
 
     def attend_staged(self, core: StagedCore, group: HeadGroup, out: torch.Tensor, last: bool, q_in_out: bool,
                       q_normed: bool) -> None:
-        """One group through a staged core, written into its heads of `out`: v, k and q are quantized as each
-        is projected (each handed to the core in a list it clears), so at most one of them exists in 16 bits
-        (`q_in_out`: q is already in the group's heads of `out`, normalized there if `q_normed`; the core
-        quantizes that view before its kernel overwrites it). A `fused_quant` normalizes, rotates and quantizes
-        in one step where it can (not beside a prefix for k, nor with a callable mask); a callable mask sees the
-        normalized k, then gives the group's mask from q."""
+        """One group through a staged core into its heads of `out`: v, k, q quantized as each is projected (handed
+        in lists the core clears), at most one in 16 bits. `q_in_out`: q is in `out` (normalized if `q_normed`),
+        quantized before the kernel overwrites it. `fused_quant`: not with a callable mask, k's not beside a prefix."""
         o, s = self.o, self.streams
         mask = o.attention_mask
         callable_mask = mask is not None and not torch.is_tensor(mask)

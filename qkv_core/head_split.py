@@ -3,8 +3,8 @@
 Levels Off/Low/Medium/High (the integers 0-3, or their names) target 1/4/8/16 groups. The group count is the
 divisor of `kv_heads` closest to the target (ties: the smaller), so every group holds whole key/value heads
 and the query heads that share them. Sequences under `SPLIT_FLOOR_TOKENS` query tokens of one batch item are
-never split: there is little to save and the extra launches cost time. (Counted per item: on whole models on
-an H200, cond + uncond of 1 MP images counted together were split and ran 1.2-8.4x stock's time for ~0.5 GiB;
+never split: there is little to save and the extra launches cost time. (Counted per item: cond + uncond of
+short sequences counted together would be split for little memory at a large cost in time;
 docs/benchmarks.md#family-models.)
 
 `SplitPolicy` is the one decision: the runtime's calls, the node's memory estimate, the planner and the
@@ -116,8 +116,7 @@ def split_plan(kv_heads: int, tokens: int, level: Optional[Level] = None,
         Key/value heads of the call.
     tokens : int
         Query tokens of one batch item (cross-attention: the longer of the two sequences). A batch of short
-        sequences is not split: on a GPU a whole model of 1 MP images, cond and uncond batched, ran 3-8x
-        slower split, for ~100 MiB.
+        sequences is not split (docs/benchmarks.md#split-floors).
     level : int or str, optional
         The Head Split level (`parse_level`). Default: High (`DEFAULT_LEVEL`).
     split_floor_tokens : int, optional

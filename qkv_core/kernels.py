@@ -170,11 +170,11 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
     `into` (t's shape and dtype, channels contiguous, not overlapping t) the result goes there, t unchanged.
 
     `inverse_rms`: float32 `(B, N)` or `(B, N, 1[, 1])`; `weight`: `(h, D)`, `(h * D,)`, or `(D,)` shared by
-    every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, as Qwen-Image passes its
-    table: computed in float32 all the same, which its model does in 16 bits). `head_norm_eps`: an RMSNorm over each head's
-    own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in float32). `span_eps` (no `inverse_rms`): the
-    inverse RMS over every head of `t` (`t` holds them all), `rsqrt(mean(t^2 over h, D) + span_eps)` in
-    float32, computed in the same pass. Returns False (nothing done) when the kernel cannot take the call."""
+    every head; `freqs`: `(1 or B, N, 1, D/2, 2, 2)`, float32 (or 16-bit, computed in float32 all the same).
+    `head_norm_eps`: an RMSNorm over each head's own channels first (`t * rsqrt(mean(t^2 over D) + eps)`, in
+    float32). `span_eps` (no `inverse_rms`): the inverse RMS over every head of `t` (`t` holds them all),
+    `rsqrt(mean(t^2 over h, D) + span_eps)` in float32, computed in the same pass. Returns False (nothing done)
+    when the kernel cannot take the call."""
     launch = norm_rope_launch(t, inverse_rms, weight, freqs, head_norm_eps, span_eps=span_eps, into=into)
     if launch is None:
         return False
@@ -185,12 +185,9 @@ def norm_rope_(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None, weig
 def norm_rope_quantize_per_thread(t: torch.Tensor, inverse_rms: Optional[torch.Tensor] = None,
                                   weight: Optional[torch.Tensor] = None, freqs: Optional[torch.Tensor] = None,
                                   span_eps: Optional[float] = None) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """`norm_rope_`'s norm and rotation of q `(B, N, h, D)` (not changed), then int8 in SageAttention 2's
-    per-thread q layout, in one pass: (int8 `(B, N, h, D)`, float32 scales `(B, h, ceil(N / 64) * 32)`: one per
-    rows r and r + 8 of each 16 rows, max |x| / 127 + 1e-7), the values and scales its own quantizer gives for
-    the normalized q (bitwise in the interpreter; on a GPU the compiler may contract the rotation into an FMA
-    differently than in `norm_rope_`, so a rare value lands one int8 step apart). `span_eps`: as in
-    `norm_rope_`. None when the kernel cannot take the call."""
+    """`norm_rope_`'s norm and rotation of q `(B, N, h, D)` (not changed), then int8 in SageAttention 2's per-thread
+    q layout in one pass: (int8 `(B, N, h, D)`, float32 scales `(B, h, ceil(N / 64) * 32)`), its own quantizer's
+    (on a GPU a rare value one int8 step apart). `span_eps`: as in `norm_rope_`. None when the kernel declines."""
     values = torch.empty(t.shape, dtype=torch.int8, device=t.device)
     windows = -(-t.shape[1] // PER_THREAD_Q_TILE) * PER_THREAD_Q_TILE // 2
     scales = torch.empty((t.shape[0], t.shape[2], windows), dtype=torch.float32, device=t.device)

@@ -22,7 +22,8 @@ arguments and tensors of the same dtypes (part of `shared_launch`'s key).
 
 `shared_launch` keeps each launch across calls (the fast path `kept_launches`), keyed by kernel, grid,
 meta-parameters and arguments: a block's next call launches its first norm pass and its first attention
-straight away too (through Triton, each was 50-90 µs of host time before the GPU had work). `kept_across_calls`
+straight away too (through Triton each launch costs the host several times the launcher's own time;
+docs/benchmarks.md#families). `kept_across_calls`
 keeps, in the same bounded store, a pass worked out from its tensors' layouts (`kernels._PassLayout`,
 `inplace_attention.OverQueriesPass`).
 """
@@ -49,7 +50,7 @@ except Exception:  # noqa: BLE001  # pragma: no cover - older Triton
     _knobs = None
 
 # (major, minor) of the Triton releases whose launcher call `CompiledLaunch` reproduces, each checked against
-# its `JITFunction.run` and run by tests/test_launch.py: 3.6 on an H200 (docs/benchmarks.md#fast-paths), 3.9 here
+# its `JITFunction.run` and run by tests/test_launch.py: 3.6 with CUDA (docs/benchmarks.md#fast-paths), 3.9 on CPU
 TESTED_TRITON_VERSIONS = ((3, 6), (3, 9))
 _NOT_YET = object()
 _problem: Any = _NOT_YET
@@ -207,12 +208,9 @@ def shared_launch(kernel, grid: Sequence[int], meta: dict, args: Sequence[Any]) 
 
 
 def kept_across_calls(key: tuple, make: Callable[[], Any]) -> Any:
-    """What `make()` returns for `key`, made once and kept beside the shared launches (the same bound of the
-    most recently used, dropped with them by `forget_shared_launches`): a pass's arguments worked out from its
-    tensors' layouts, which the next call of the same layout would work out again. `key` starts with the kept
-    object's class (no clash with `shared_launch`'s keys, which start with an int); what is kept must hold no
-    tensor; None is kept too (a layout the kernel declines is not checked again). The caller asks its own fast
-    path first (`pass_layouts`, `over_queries_pass`)."""
+    """What `make()` returns for `key`, made once and kept beside the shared launches (their bound; dropped by
+    `forget_shared_launches`). `key` starts with the kept object's class; what is kept holds no tensor (None is kept
+    too). The caller asks its own fast path first (`pass_layouts`, `over_queries_pass`)."""
     found = _shared.get(key, _NOT_YET)
     if found is not _NOT_YET:
         _shared.move_to_end(key)

@@ -16,61 +16,49 @@ Level = Union[int, str]
 class AttentionOptions:
     """The keyword options of `qkv_attention`, `joint_qkv_attention` and `cross_qkv_attention`.
 
-    Every field defaults to None, "not set": the runtime's default behaviour. A call checks the combination
-    before any work (a `ValueError` that names the fix, `qkv_core/validation.py`).
+    Every field defaults to None, "not set": the runtime's default. A call checks the combination before any work
+    (a `ValueError` that names the fix, `qkv_core/validation.py`). Tensors are ``(batch, tokens, heads, head_dim)``
+    unless said; those passed here stay the caller's: read, never freed (the inputs' hand-off: docs/design.md §2.1).
 
     Attributes
     ----------
     kv_heads : int, optional
         Key/value heads (grouped-query attention); `heads` must be a multiple. Default: `heads`.
     norm_spans_heads : bool, optional
-        The q/k norm spans every head (Wan's RMSNorm over the width): per-token statistics over all heads are
-        computed first and handed to `norm_rope` as ``group.mean_squares``.
+        The q/k norm spans every head (Wan): each token's statistics over all heads reach `norm_rope` as
+        ``group.mean_squares``, float32 ``(batch, tokens, 1)``.
     split_heads : bool, optional
         False: never split (one group). Default: split by `head_split_level` from the floor up.
-    kv_prefix : optional
-        Keys and values attended before the call's own: a ``(key, value)`` pair ``(batch or 1, tokens,
-        kv_heads, head_dim)``, a `KVPrefix` (q8 or native) or a `PrefixLayer`. Read, never changed or freed.
+    kv_prefix : tuple, KVPrefix or PrefixLayer, optional
+        Keys and values attended before the call's own: a pair ``(batch or 1, tokens, kv_heads, head_dim)``, a q8
+        or native `KVPrefix`, or a `PrefixLayer`; never changed.
     attention_mask : torch.Tensor or callable, optional
-        A tensor broadcasting to ``(batch, heads, q tokens, kv tokens)`` (boolean, True attends, or additive
-        float), or, with a staged core only, ``mask(query, key, group)`` that builds each group's.
+        Broadcasting to ``(batch, heads, q tokens, kv tokens)``, boolean (True attends) or additive float; with a
+        staged core also ``mask(query, key, group)``, building each group's.
     force_attention : str, optional
         A backend name (`backend_names`) instead of the automatic choice.
     attention_fn : callable, optional
         ``attention_fn([q, k, v(, extra)], group)`` -> ``(batch, q tokens, heads of the group, head_dim)``: the
-        caller's own attention. It gets each group's disposable tensors in a list and clears it.
+        caller's own attention; it owns the list's tensors (disposable) and clears the list.
     norm_stats : callable, optional
-        ``norm_stats(project)`` -> (q mean squares, k mean squares), float32 ``(batch, tokens, 1)``: the
-        model's own statistics pass (with `norm_spans_heads` only).
+        ``norm_stats(project)`` -> (q mean squares, k mean squares), float32 ``(batch, tokens, 1)``: the model's
+        own statistics pass (with `norm_spans_heads` only).
     norm_v : callable, optional
-        ``norm_v(v, group)``: a transform of each group's values, in place.
+        ``norm_v(v, group)``: transforms each group's values in place.
     softmax_scale : float, optional
-        The softmax scale (the SDPA path only). Default ``1 / sqrt(head_dim)``.
+        The softmax scale (the SDPA path only). Default: ``1 / sqrt(head_dim)``.
     head_split_level : int or str, optional
         0-3 or "off", "low", "medium", "high" (`parse_level`). Default: High.
-    fused_quant : callable, optional
-        ``fused_quant(query, key, group, core, settings)`` -> q or k quantized by the `StagedCore` `core` in one
-        pass with the norm and RoPE, or None to fall back to `norm_rope` and the core's quantizers (docs/design.md
-        §2.5).
-    norm_key_into : callable, optional
-        ``norm_key_into(key, dest, group)`` -> bool: k's norm and RoPE written into `dest` (k's shape) instead of
-        in place, False (nothing done) where it cannot; used by `reuse_input`.
-    keep_keys : float, optional
-        The fraction (0 to 1) of groups whose keys the statistics pass keeps for them (with `norm_spans_heads`).
     split_floor_tokens : int, optional
-        The fewest query tokens of one batch item that are split. Default `SPLIT_FLOOR_TOKENS`.
-    head_split_group_scale : float, optional
-        The level's target count of head groups times this (a number > 0): above 1 for a model whose attention
-        is wider than its hidden state (MiniMax H3: 7168 over 5376: the output buffer of every head takes more of
-        the level's budget, each group must hold less), under 1 where a model's split calls are bound by the
-        host's launches and its fewer groups still hold the level's peak (HiDream). Default 1.
+        The fewest query tokens of one batch item that are split. Default: `SPLIT_FLOOR_TOKENS`.
     capture_kv : tuple, optional
         ``(layer, start, stop)``: the keys and values of key/value tokens ``[start, stop)``, as attention sees
-        them, stored into `layer` (a `PrefixLayer`) for later calls' `kv_prefix`.
+        them, stored into the `PrefixLayer` `layer` (which then holds them) for later calls' `kv_prefix`.
     reuse_input : bool, optional
-        The caller gives its input up for good (a contiguous self-attention activation ``heads * head_dim``
-        wide, no other reference to it): a staged call with a spanning norm may keep its keys in the input's
-        storage and return its output there, so k is projected once. Ignored where that does not apply.
+        The caller gives up its contiguous self-attention input (``heads * head_dim`` wide, no other reference):
+        a staged spanning-norm call may keep its keys there and return its output in that storage; else ignored.
+    fused_quant, norm_key_into, keep_keys, head_split_group_scale
+        Internal: the adapters' fused-pass hooks and memory/launch tuning (docs/design.md §2.2, §2.5, §3.2).
     """
 
     kv_heads: Optional[int] = None

@@ -73,12 +73,9 @@ def dequantize_q8(values: torch.Tensor, scales: torch.Tensor, dtype=torch.bfloat
 
 
 def merge_lse_(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor) -> None:
-    """In place: `out`, `lse` become the attention over both key sets.
-
-    `out`, `other`: `(batch, tokens, heads, head_dim)` partial attentions (each normalized over its own
-    keys); `lse`, `other_lse`: their base-2 log-sum-exps, float32 `(batch, heads, tokens)`. `-inf` marks a
-    query that saw no key in that part.
-    """
+    """In place: `out`, `lse` become the attention over both key sets. `out`, `other`: `(batch, tokens, heads,
+    head_dim)` partial attentions, each normalized over its own keys; `lse`, `other_lse`: their base-2 log-sum-exps,
+    float32 `(batch, heads, tokens)`, `-inf` where a query saw no key in that part."""
     if out.dim() != 4 or other.shape != out.shape:
         raise ValueError(f"merge_lse_: out and other must be one shape (batch, tokens, heads, head_dim), got "
                          f"{tuple(out.shape)} and {tuple(other.shape)}")

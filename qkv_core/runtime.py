@@ -47,9 +47,8 @@ ROWS_MIN_CHUNK_ELEMENTS = 1 << 16
 STATS_CHUNK_MULTIPLE = 256   # token chunks of the full-width statistics pass: whole tiles of 256 rows
 # A split SDPA call of at most this many tokens an item attends each group with `inplace_attention` (its result
 # written over its queries in the output buffer): no result transient and no copy a group, and one launch
-# where cuDNN's attention takes three. Such calls are bound by the host's launches (Qwen-Image 1328^2, 7,145
-# tokens: ~5 ms of GPU work); on an H200 the kernel took 1.15-1.2x cuDNN's GPU time at 7,145 tokens and
-# 1.3x at 16,896 (Flux 2048^2, GPU-bound), so longer calls keep SDPA.
+# where cuDNN's attention takes three. Short calls are bound by the host's launches, so the kernel's slower GPU
+# time is hidden; longer calls are bound by the GPU and keep SDPA (docs/benchmarks.md#split-floors).
 OVER_QUERIES_MAX_TOKENS = 12288
 
 
@@ -211,8 +210,8 @@ class _Call:
             # projected once, also when a spanning norm needs its statistics before any group can be normalized.
             q_in_out = len(groups) > 1
             if o.norm_spans_heads and len(groups) > 1:
-                # kept keys would sit beside a staged call's small quantized groups and set its peak (Wan 720p
-                # at High on an H200: 2.56 x |x| with them, 2.26 without): a staged call projects k twice
+                # kept keys would sit beside a staged call's small quantized groups and set its peak: a staged
+                # call projects k twice
                 keep_keys = None if staged is not None else o.keep_keys
                 q_ms, k_ms = mean_squares(s, groups, o.norm_stats, keep_keys, out if q_in_out else None,
                                           kept_keys, STATS_CHUNK_MULTIPLE)

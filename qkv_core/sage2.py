@@ -14,12 +14,12 @@ Kernel modes, chosen per call by `Sage2Core.settings` as `sageattn` chooses its 
   additive masks, LSE). It is also what `sageattn` runs on sm86.
 - "sageattn": `sageattn` itself per head group, unstaged, its result copied into the group's heads of the
   output: sm89 (Ada: RTX 40xx, L40) and sm120 (Blackwell consumer cards), and any GPU whose kernel the installed
-  build lacks. (Their staged form needs SageAttention's sm89 kernel, which could not be run here to check it: as
-  PTX on an H200 it crashes inside SageAttention's own call.)
+  build lacks. (Their staged form needs SageAttention's sm89 kernel, which could not be checked: run as PTX on
+  Hopper it crashes inside SageAttention's own call; docs/benchmarks.md#sage2.)
 
 Each quantizer takes the runtime's tensor in a list it clears and keeps only the quantized form, so at most one of
 q, k, v exists in 16 bits beside the quantized others (upstream `sageattn` holds all three, a smoothed copy of k,
-a padded and a transposed copy of v: 4.5x the output on an H200).
+a padded and a transposed copy of v; docs/benchmarks.md#sage2).
 
 Native prefixes (`cache_native_prefix`, "sm90" only): keys smoothed by the prefix's own mean and quantized per
 thread, values fp8, kept in those layouts. A call attending one smooths its projected keys by the same mean, runs
@@ -171,8 +171,8 @@ class Sage2Core(StagedCore):
         mean = settings.prefix.k_mean if settings.prefix is not None else k.mean(dim=1, keepdim=True)
         tiles = SM90_TILES if settings.kernel == "sm90" else SM80_TILES
         if settings.kernel in ("sm90", "sm80"):
-            # the smoothing and the quantizer in one pass: a strided `k -= mean` of one head group ran at a tenth
-            # of the memory bandwidth (4.9 ms of a 720p Wan block's 225 ms on an H200)
+            # the smoothing and the quantizer in one pass: a strided `k -= mean` of one head group runs far below
+            # the memory bandwidth
             fused = kernels.smooth_quantize_k_per_thread(k, mean, tiles[3])
             if fused is not None:
                 return (*fused, mean)
@@ -196,12 +196,9 @@ class Sage2Core(StagedCore):
         return (*_triton_quantize(q, TRITON_Q_BLOCK, settings.scale * LOG2E), keep)
 
     def norm_rope_quantize_q(self, q: torch.Tensor, inverse_rms, weight, freqs, settings, span_eps=None):
-        """`staged_quantize_q`'s result for q `(B, N, h, D)` before its norm and RoPE (`kernels.norm_rope_`'s
-        arguments; q is not changed), normalized, rotated and quantized in one pass: the sm90 kernel's per-thread
-        layout, what the three steps give (the same scales; a value one int8 step apart where the GPU compiler
-        contracts the rotation differently: 2 in 4.1 million on an H200). None where that pass does not apply
-        (the caller then runs them). `span_eps` instead of `inverse_rms`: q holds every head, and the pass takes
-        each token's inverse RMS over them itself (`kernels.norm_rope_`)."""
+        """`staged_quantize_q`'s result for q `(B, N, h, D)` (not changed) normalized, rotated and quantized in one sm90
+        pass (`kernels.norm_rope_`'s arguments; `span_eps`: q holds every head), as the three steps give it (rarely one
+        int8 step apart). None where that pass does not apply (the caller then runs them)."""
         if settings.kernel != "sm90" or settings.return_lse:
             return None
         quantized = kernels.norm_rope_quantize_per_thread(q, inverse_rms, weight, freqs, span_eps=span_eps)

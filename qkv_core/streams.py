@@ -20,9 +20,9 @@ from .head_split import HeadGroup
 from .projections import PreparedProjection, WholeThenSlice, as_row_projection
 
 # A key/value stream this short next to the call's key tokens projects its k and v whole, once (see
-# `CallStreams.prepare`): held through the groups, they cost at most ~3 % of the joined stream's size. 1/16 let
-# Qwen-Image 1328^2's prompt in (256 of 7,145 tokens: 2.51 x|x| at 8 groups on an H200, 2.47 without); HunyuanVideo's
-# (256 of ~76,000) still is.
+# `CallStreams.prepare`): held through the groups, they cost at most ~3 % of the joined stream's size. A larger
+# share would let Qwen-Image 1328^2's prompt in (256 of 7,145 tokens), raising its block's peak; HunyuanVideo's
+# (256 of ~76,000) is in.
 SHORT_STREAM_SHARE = 1 / 64
 
 
@@ -93,16 +93,9 @@ class TokenStream:
 def join_streams(streams, name: Callable[["TokenStream"], str], start: int, stop: int,
                  release: Callable[["TokenStream"], bool], total_tokens: int, heads: int,
                  head_dim: int, kept: Optional[dict] = None) -> torch.Tensor:
-    """Output features `[start, stop)` (`heads * head_dim` of them) of projection `name(stream)` of each stream,
-    joined along tokens in their order: `(B, total_tokens, heads, head_dim)`, a new tensor; `release(stream)`:
-    that stream's projection is released afterwards. A single stream is returned as projected (no copy); several
-    are projected straight into their tokens of the joined tensor where that is one launch (`writes_into`: no
-    temporary of a stream's size, no copy), else projected and copied in. (A prefix is joined later, after the
-    norms: `prefix_join.join_prefix`.)
-
-    `kept`: a dict of the call's joined buffers (`CallStreams.buffers`): the buffer of these projections and
-    this many heads is reused, with the views of each stream's tokens, instead of allocated and cut again (the
-    caller drops the previous one before it asks again: each group's k and v, once its attention is queued)."""
+    """Features `[start, stop)` of projection `name(stream)` of each stream, joined along tokens in order: a new
+    `(B, total_tokens, heads, head_dim)` (one stream: as projected); `release(stream)`: release its projection after.
+    `kept` (`CallStreams.buffers`): the buffer reused group to group (drop the last first). Prefixes: `prefix_join`."""
     if len(streams) == 1:
         stream = streams[0]
         return stream.rows(name(stream), start, stop, release(stream)).unflatten(-1, (heads, head_dim))

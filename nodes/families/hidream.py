@@ -49,8 +49,8 @@ ATTENTION_ARGS = ("norm_image_tokens", "image_tokens_masks", "norm_text_tokens",
 BLOCK_ARGS = ("image_tokens", "image_tokens_masks", "text_tokens", "adaln_input", "rope", "transformer_options")
 # Keys kept from the spanning norm's statistics pass: all of them with the attention patched alone (the block's
 # peak is then its MoE feed-forward's, far above the attention's), 10% in the bounded block: in its 10 groups
-# (group_scale 0.5) the double block at 2048^2 held 2.57 x |x| keeping 30% (as Wan's and LTX's), 2.36 keeping 10%,
-# at 1.03x and 1.00x stock's time on an H200; none kept, 1.06x.
+# (group_scale 0.5) keeping 30% (as Wan's and LTX's) puts the double block over the level's peak, and keeping none
+# costs time (docs/benchmarks.md#families).
 ATTENTION_KEPT_KEYS = 1.0
 BLOCK_KEPT_KEYS = 0.1
 

@@ -125,11 +125,12 @@ def bounded_moe_refusal(ff, out: torch.Tensor, norm, mods) -> Optional[str]:
 # routed experts' sum for one token chunk (as ComfyUI's module has it for all tokens before the shared expert is
 # added) and one chunk of an expert's rows (their modulated input, w1's and w3's hidden activations) or of the
 # shared expert's tokens. The token chunks are sized so that an expert's rows of one chunk (on average) fit in one
-# product: with HiDream-I1's widths 4 token chunks and 16 products of ~2,000 rows at 2048^2 (near full speed on an
-# H200, where a routed sum of the whole stream in the same memory would leave ~800 rows a product). 1.3: measured
-# with the output and the text stream, the feed-forward holds 2.25 |x|, under the split attention's own peak
-# (2.45; tests/test_hidream_adapter.py). Where the attention is not split (x UNSPLIT_CHUNK_SCALE: one or two token
-# chunks, one product an expert in each, as ComfyUI runs them) 3.9 |x|, under that attention's 4.6 (same block).
+# product: with HiDream-I1's widths 4 token chunks and 16 products of ~2,000 rows at 2048^2 (near full speed,
+# where a routed sum of the whole stream in the same memory would leave ~800 rows a product). 1.3 keeps the
+# feed-forward, with the output and the text stream, under the split attention's own peak
+# (tests/test_hidream_adapter.py; docs/benchmarks.md#planner); where the attention is not split (x
+# UNSPLIT_CHUNK_SCALE: one or two token chunks, one product an expert in each, as ComfyUI runs them), under that
+# attention's peak too.
 MOE_BUDGET = 1.3
 # The share of an average token chunk's expert rows the row budget leaves room for beyond one product (a router
 # that sends more of a chunk's tokens to one expert splits that expert's rows into two products).

@@ -26,9 +26,7 @@ class MemoryFactors:
 
 
 #: What the head groups hold of the q/k/v of every head, in multiples of |x| (divided among the groups): fitted on
-#: Wan's block at every level (CPU MemTracker, bf16, 16 heads: Off 4.50, Low 2.78, Medium 2.52, High 2.40 x |x|;
-#: with bounded_whole 1.99 the estimates are 4.44, 2.60, 2.30, 2.14, within 15% of every format's measurement:
-#: High measured 1.90-1.96 with fp8-scaled weights, 2.40-2.45 with bf16, fp8 and GGUF).
+#: Wan's block at every level, within 15% of every weight format's measurement (docs/benchmarks.md#planner).
 PER_GROUP = 2.45
 
 
@@ -46,7 +44,7 @@ class WorkingSet:
     measured: str
     per_group: float = PER_GROUP
     # Older ComfyUI releases whose own block peaks elsewhere: ((the first release measured at `stock`, the peak
-    # before it), ...), oldest first (v0.3.64 rotated q and k in float32 copies: Flux's blocks held 17-19 x |x|)
+    # before it), ...), oldest first (v0.3.64 rotated q and k in float32 copies, so its blocks peak higher)
     stock_before: tuple = ()
 
     def stock_on(self, release: Optional[tuple] = None) -> float:
@@ -120,24 +118,20 @@ V0_8 = (0, 8, 0)
 
 
 TABLE = {
-    # Measured on an H200 (v0.8.0, a whole Wan 14B at 720p x 81, cfg 5, planned for 16 and 24 GB cards; and on
-    # v0.33.0 in every weight format, where each patched run stayed under its card). ComfyUI fills the card with
-    # weights up to its estimate, so a patched run peaks no higher than stock only if factor >= 1 - (1 - r) * A / E,
-    # r the pack's share of stock's real activation memory, A / E stock's real use over ComfyUI's estimate: A / E =
-    # 0.93, r = 0.55 with the head split running (a block alone: 0.30-0.33, the rest is the model around the blocks
-    # and ComfyUI's weight streaming), r = 0.84 without it.
-    # Split only from 2x the runtime's floor (16,384 tokens an item): a split Wan 14B block costs the host about
-    # 33-36 ms whatever the length (20 groups at High, each with its share of the statistics pass), which its GPU
-    # work passes near 17,000 tokens on an H200 (10,920 tokens: 33 ms split against stock's 17; 14,040 (480p x 33
-    # frames): 35 against 25, 23 whole; 17,160: 36 against 35; 32,760: 77 against 100).
+    # Factors from whole Wan 14B runs through ComfyUI's model management (docs/benchmarks.md#memory-estimate):
+    # ComfyUI fills the card with weights up to its estimate, so a patched run peaks no higher than stock only if
+    # factor >= 1 - (1 - r) * A / E, r the pack's share of stock's real activation memory (the whole model's, not a
+    # block's), A / E stock's real use over ComfyUI's estimate.
+    # Split only from 2x the runtime's floor (16,384 tokens an item): a split Wan 14B block costs the host about the
+    # same whatever the length, and its GPU work takes longer than that only from about there
+    # (docs/benchmarks.md#split-floors).
     "wan": Measured(
         MemoryFactors(split=0.6, unsplit=0.9, measured="whole Wan 14B, H200, ComfyUI v0.8.0 and v0.33.0"),
         {"block": cpu_block(9.0, 1.99, "tests/test_wan_memory.py (bf16, fp8, fp8-scaled, GGUF: 9.0-9.7 -> 1.96-2.45)")},
         split_floor_scale=2, memory_where=f"{BENCHMARKS}#memory-estimate"),
     # Split only from 1.5x the runtime's floor (12,288 tokens an item): under it the split blocks are bound by the
-    # host's launches on an H200 (double / single block, 8,704 tokens: 1.21 / 1.39x stock's time split, 0.80 / 0.84x
-    # whole; 12,800: 1.11 / 0.94x split; 14,848: 0.88 / 0.82x), for a saving of under 0.2 GiB a call there. Whole,
-    # the pack's blocks still hold about 4.2-4.6 x |x| against stock's 10-13.
+    # host's launches, for little memory saved (docs/benchmarks.md#split-floors); whole, the pack's blocks still
+    # hold well under half of stock's peak (docs/benchmarks.md#families).
     "flux": Measured(
         whole_model(0.8, 0.85, "Flux-dev 2048^2 0.74 and HunyuanVideo 720p x 129 0.56 split, Flux-dev 1024^2 0.78 "
                                "unsplit"),
@@ -145,39 +139,36 @@ TABLE = {
          "single": cpu_block(14.06, 2.04, "tests/test_flux_blocks.py", stock_before=((V0_8, 19.0),))},
         split_floor_scale=1.5),
     # Split only from 2x the runtime's floor (16,384 tokens an item): a split Lumina 2 is bound by the host's
-    # launches below it (whole model on an H200, cond + uncond: 1536^2 (9,472 tokens) 311 ms stock, 596 split;
-    # 2048^2 (16,640) 0.98x stock's time); under it ComfyUI's own forwards run.
+    # launches below it (docs/benchmarks.md#split-floors); under it ComfyUI's own forwards run.
     "lumina": Measured(
         whole_model(0.7, 1.0, "Lumina 2 2048^2 0.38 split (Z-Image not measured: 0.7 leaves it room); unsplit: "
                               "ComfyUI's own blocks run"),
         {"lumina2": cpu_block(18.0, 1.95, "tests/test_lumina_memory.py", stock_before=((V0_8, 66.0),)),
          "zimage": cpu_block(14.0, 2.04, "tests/test_lumina_memory.py")},
         split_floor_scale=2, short_runs_stock=True),
-    # Split only from 1.5x the runtime's floor (12,288 tokens an item), as Flux: a Qwen-Image-Edit call of a 1 MP
-    # image and a 1 MP reference (8,537 tokens) took 1.24x stock's time split on an H200 (one item; 1.00x with cond +
-    # uncond), 0.85x whole; from 12,100 image tokens on the split is 0.84-0.99x.
+    # Split only from 1.5x the runtime's floor (12,288 tokens an item), as Flux: shorter calls (a 1 MP image with a
+    # 1 MP reference) run slower split than whole (docs/benchmarks.md#split-floors).
     "qwen_image": Measured(
         whole_model(0.8, 0.8, "Qwen-Image 1328^2 0.76 unsplit; the split runs take the unsplit factor (no split run "
                               "measured)"),
         {"block": cpu_block(10.15, 2.11, "tests/test_qwen_image_memory.py", stock_before=((V0_8, 14.08),))},
         split_floor_scale=1.5),
-    # The runtime's own floor: a whole Kandinsky 5 Video Lite split at 10,752 tokens an item ran 0.95x stock's time.
+    # The runtime's own floor: a whole Kandinsky 5 Video Lite split just above it is not slower than stock
+    # (docs/benchmarks.md#split-floors).
     "kandinsky5": Measured(
         whole_model(0.9, 1.0, "Kandinsky 5 lite 768x512 x 61 0.88 split (unsplit not measured)"),
         {"block": cpu_block(9.10, 2.04, "tests/test_kandinsky5_adapter.py")}),
     # Split only from 3x the runtime's floor (24,576 tokens an item): LTX's split attention (an RMSNorm over all
     # heads, so a statistics pass; the RoPE table sliced per group) launches enough small kernels that the host
-    # bounds it on shorter sequences. Whole LTX-Video 2B on an H200, cond + uncond: 13,376 tokens an item 449 ms
-    # stock, 1,272 ms split (its launches, ~1.3 s, are the same at any length); 27,588 tokens 1,490 ms stock,
-    # 1,500 ms split. Under the floor ComfyUI's own forwards run.
+    # bounds it on shorter sequences: its launches cost the same at any length (docs/benchmarks.md#split-floors).
+    # Under the floor ComfyUI's own forwards run.
     "ltx": Measured(
         whole_model(0.8, 1.0, "LTX-Video 2B 1216x704 x 121 0.72 split; unsplit: ComfyUI's own blocks run (short "
                               "sequences)"),
         {"block": cpu_block(10.5, 2.24, "tests/test_ltx_memory.py (stock 11.0 on v0.33, 10.0 on v0.8.0)")},
         split_floor_scale=3, short_runs_stock=True),
-    # Split only from 2x the runtime's floor (16,384 tokens an item): a split SD3.5 Large costs the host about 1.1 s
-    # a model call (whole model on an H200, cond + uncond: 1536^2 (9,370 tokens) 495 ms stock, 1,101 split; 1792^2
-    # (12,698) 758 / 1,080; 2048^2 (16,538) 0.96x stock's time); under it ComfyUI's own forwards run.
+    # Split only from 2x the runtime's floor (16,384 tokens an item): a split SD3.5 Large costs the host about the
+    # same a model call whatever the length (docs/benchmarks.md#split-floors); under it ComfyUI's own forwards run.
     "sd3": Measured(
         whole_model(0.6, 1.0, "SD3.5 Large 2048^2 0.39 split (Medium not measured); unsplit: ComfyUI's own blocks "
                               "run"),
@@ -186,18 +177,16 @@ TABLE = {
                                                         "attention)")},
         split_floor_scale=2, short_runs_stock=True),
     # Split only from 3.5x the runtime's floor (28,672 tokens an item): a split Cosmos predict2 2B costs the host
-    # about 1 s a model call whatever the length (whole model on an H200, cond + uncond: 10,560 tokens an item 318 ms
-    # stock, 1,002 split; 21,120: 917 / 1,279; 31,680: 1,808 / 1,592; 42,240: 3,005 / 2,297).
+    # about the same a model call whatever the length (docs/benchmarks.md#split-floors).
     "cosmos": Measured(
         whole_model(0.65, 0.7, "Cosmos predict2 2B 1280x704 x 93 0.55 split, x 9 and x 21 (10,560 and 21,120 "
                                "tokens) 0.64 unsplit"),
         {"block": cpu_block(12.3, 2.04, "tests/test_cosmos_memory.py (stock 11.08 on v0.33, 14.00 on v0.8.0)")},
         split_floor_scale=3.5),
-    # ComfyUI's own estimate: the whole model needed 0.97 of it, not enough saved to plan with less. Half the
-    # level's head groups (High: 10 of its 20 heads' groups): its split blocks are bound by the host's launches
-    # (double block at 2048^2 on an H200, 20 groups: 2.47 x |x| at 1.19-1.45x stock's time), and with a tenth of
-    # the groups' keys kept by the statistics pass (`hidream.BLOCK_KEPT_KEYS`) 10 groups hold 2.36 x |x| at 1.00x;
-    # with the block's launches cut by a fifth, 0.91-0.98x on two H100 machines.
+    # ComfyUI's own estimate: the whole model needed nearly all of it, not enough saved to plan with less
+    # (docs/benchmarks.md#family-models). Half the level's head groups (High: 10 of its 20 heads' groups): its split
+    # blocks are bound by the host's launches, and with a tenth of the groups' keys kept by the statistics pass
+    # (`hidream.BLOCK_KEPT_KEYS`) 10 groups still hold the level's peak (docs/benchmarks.md#families).
     "hidream": Measured(
         whole_model(1.0, 1.0, "HiDream-I1 1024^2 0.97 unsplit (split not measured)"),
         {"block": cpu_block(15.35, 2.15, "tests/test_hidream_adapter.py (double block: 2.46 x |x| at 8 groups, the "
@@ -205,9 +194,9 @@ TABLE = {
                                          "the output)", setup=f"{CPU_BLOCK}, 4 experts")},
         group_scale=0.5),
     # Twice the level's head groups: its attention (56 heads of 128) is 1.33x its hidden width (5376), so the
-    # output buffer of every head and the modulated input held beside it take 2.33 |x|; a block of 31,248 video
-    # tokens on an H200 held 2.62 x |x| in High's 14 groups. ComfyUI's own estimate: it is already under what the
-    # pack's run uses, so less would plan for less than the run needs.
+    # output buffer of every head and the modulated input held beside it take 2.33 |x|, and High's own groups put
+    # the block over the level's peak (docs/benchmarks.md#families). ComfyUI's own estimate: it is already under
+    # what the pack's run uses, so less would plan for less than the run needs (docs/benchmarks.md#minimax-model).
     "minimax": Measured(
         whole_model(1.0, 1.0, "H3 (4 of its 50 blocks) 1344x768 x 124 / 260 / 362: ComfyUI's estimate 0.66 / 1.38 / "
                               "1.92 GiB, stock's call 4.59 / 9.53 / 13.23, the pack's 1.91 / 3.98 / 5.52: the estimate "

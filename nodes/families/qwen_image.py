@@ -41,9 +41,8 @@ STOCK_MODULATE = getattr(qwen_model.QwenImageTransformerBlock, "_modulate", None
 # tokens): they then hold the outputs, the attention and a chunk's product (2.07 + 0.25 x|x|), or the outputs and
 # a chunk's input, hidden activation and product (1.04 + 5 x 0.25), at or under the split attention's own peak at
 # the 4-12 groups of Qwen-Image's 24 heads (the modulated inputs, the output buffer and a group's k, v and
-# result, 2.07 + 3 x 1.04 / groups: 2.47 x|x| at 8 groups and 2.34 at 12 on an H200), for half the launches: at
-# 1328^2 the split block is bound by the host's launches. (16 groups, a model of 16 heads: 2.29 x|x| where the
-# attention alone holds 2.26.)
+# result, 2.07 + 3 x 1.04 / groups), for half the launches: at 1328^2 the split block is bound by the host's
+# launches. (In 16 groups, a model of 16 heads, the block holds a little more than the attention alone.)
 SPLIT_CHUNK_SCALE = 2
 
 FORM = AttentionForm(streams=(

@@ -102,9 +102,9 @@ SELF_ATTENTION = AttentionForm(streams=(StreamProjections(q="q", k="k", v="v", n
 # Keys kept from the statistics pass of the spanning norm (`keep_keys`: that fraction of the head groups, the
 # first ones, skip their second k projection). The bounded block keeps 30 %: at High (Wan 14B: 20 groups) its
 # peak grows by a quarter of |x| (6 groups' keys less the statistics chunk they replace) to 2.4|x|, under the
-# 2.5|x| it is held to, and k's second projection shrinks by 30 % (measured on an H200 at 720p: 1.028 -> 1.025
-# x stock at 25 %, 1.019 at 50 %, 1.007 keeping all). Attention patched alone keeps them all: the stock FFN's
-# 5.4|x| is the block's peak then, far above the attention's.
+# 2.5|x| it is held to, and k's second projection shrinks by 30 % (keeping more saves a little more time, past
+# that bound). Attention patched alone keeps them all: the stock FFN's 5.4|x| is the block's peak then, far above
+# the attention's.
 BLOCK_KEPT_KEYS = 0.3
 ATTENTION_ONLY_KEPT_KEYS = 1.0
 
@@ -206,8 +206,7 @@ def _projected_once(linear, context: torch.Tensor, norm=None) -> WholeProjection
 # whose hidden activation is 2.7x wider than x, are block_parts' `FFN_CHUNK_FRACTION`.)
 CROSS_CHUNK_FRACTION = 8
 # On CUDA with Triton the chunk's norm runs fused and no attention holds a score matrix: chunks twice as large
-# keep the block's peak (H200, Wan 14B 720p x 81: 2.20 x |x| either way) in half the cross-attention launches,
-# whose short tails cost time (block 226.6 -> 225.8 ms interleaved, H200, 2026-12-02).
+# keep the block's peak in half the cross-attention launches, whose short tails cost time.
 CUDA_CROSS_CHUNK_FRACTION = 4
 
 
