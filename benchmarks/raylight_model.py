@@ -18,7 +18,7 @@ Reported by rank 0, for each method: seconds per step, peak VRAM and the weights
 over the ranks), the first block's activation peak on each GPU as a multiple of its local |x| (its input: the
 rank's tokens), and the largest difference between the two methods' samples. `--search-frames`: the most
 frames each method fits (a probe fits when it fits on every rank; ranks run out of memory at the same call, as
-their shapes are the same). docs/benchmarks.md#raylight has the 2-GPU command and its figures.
+their shapes are the same). docs/benchmarks.md#ulysses has the 2-GPU command and its figures.
 """
 from __future__ import annotations
 
