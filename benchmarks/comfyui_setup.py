@@ -81,15 +81,29 @@ class _StubSubmodules:
         pass
 
 
+class _StubClass(type):
+    """A stub module's placeholder class: its attributes (enum members such as `av`'s `ColorTrc.ARIB_STD_B67`,
+    read in tables at import time) are placeholders too."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder(cls.__module__, f"{cls.__name__}.{name}")
+
+
+def _placeholder(module: str, name: str) -> type:
+    top = module.split(".")[0]
+
+    def unavailable(*args, **kwargs):
+        raise ImportError(f"{module}.{name}: {top} is not installed (bench.py's stub)")
+    return _StubClass(name.rpartition(".")[2], (), {"__init__": unavailable, "__module__": module})
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        top = self.__name__.split(".")[0]
-
-        def unavailable(*args, **kwargs):
-            raise ImportError(f"{self.__name__}.{name}: {top} is not installed (bench.py's stub)")
-        return type(name, (), {"__init__": unavailable, "__module__": self.__name__})
+        return _placeholder(self.__name__, name)
 
 
 def _stubs_if_missing() -> list:
