@@ -17,7 +17,7 @@ import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 from test_wan_compat import MODEL, SdpaHeads, _fresh_verdicts, env, forward, rel_err  # noqa: F401
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-import comfy_env
-import family_cases
+from support import comfy_env
+from support import family_cases
 from test_family_contract import CASE_SPLIT_FLOOR, _family_floor, _forward, family_groups, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui

@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-import comfy_env
-import family_cases
+from support import comfy_env
+from support import family_cases
 
 pytestmark = pytest.mark.comfyui
 
@@ -242,7 +242,7 @@ def test_gguf_weights(env, family):
     """GGUF (Q8_0) weights through city96's ComfyUI-GGUF (its GGMLOps, each Linear dequantizing its own weight):
     patched equals stock on the same weights at High with block bounds, without a fallback, and the split runs.
     Skipped without ComfyUI-GGUF or `gguf`."""
-    import gguf_env
+    from support import gguf_env
     case = family_cases.case(family)
     gguf = gguf_env.as_gguf(case.patcher)
     assert gguf.gguf_keys

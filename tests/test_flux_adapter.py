@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 

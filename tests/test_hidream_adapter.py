@@ -13,10 +13,10 @@ import importlib
 
 import pytest
 
-import comfy_env
-import working_set_check
-import family_cases
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support import working_set_check
+from support import family_cases
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 

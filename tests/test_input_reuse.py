@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import SpanningNormRope, make_qkv, max_rel_err, randn, reference
+from support.reference import SpanningNormRope, make_qkv, max_rel_err, randn, reference
 
 H, D, FEAT = 8, 32, 256
 NAME = "fake-rows"

@@ -10,9 +10,9 @@ import importlib.util
 
 import pytest
 
-import comfy_env
-import working_set_check
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support import working_set_check
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 

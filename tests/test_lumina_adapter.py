@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
@@ -264,7 +264,7 @@ FUSED_NORM_CHECK = """
 import sys
 sys.path.insert(0, {tests!r})
 import torch
-import comfy_env
+from support import comfy_env
 import test_lumina_adapter as t
 env = comfy_env.pack_modules()
 env.core.head_split.SPLIT_FLOOR_TOKENS = 0   # as conftest.py does for the tests: tiny sequences take the pack's path

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv,
-                       max_rel_err, project64, randn, reference, sample_rows)
+from support.reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv,
+                               max_rel_err, project64, randn, reference, sample_rows)
 
 H, D, FEAT = 8, 32, 64
 LEVELS = (0, 1, 2, 3)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import make_qkv, randn
+from support.reference import make_qkv, randn
 
 
 def sage2_reason():

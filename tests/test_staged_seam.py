@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_qkv, max_rel_err, randn
+from support.reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_qkv, max_rel_err, randn
 
 H, D, FEAT = 8, 32, 64
 NAME = "fake-staged"

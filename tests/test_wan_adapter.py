@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 

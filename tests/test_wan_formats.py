@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 from test_wan_compat import MODEL, SIZE, SMALL, SdpaHeads, _fresh_verdicts, env, forward, inputs, rel_err  # noqa: F401
 from test_wan_other_nodes import _hooks
@@ -24,7 +24,7 @@ def test_gguf_weights_split_and_equal_stock(env, qtype, block):
     """city96/ComfyUI-GGUF layers (`comfy.ops.cast_bias_weight` returns their raw quantized blocks, which
     crashed the pack before): the layer's own dequantized weight, once per layer call, then rows: the head
     split runs and the result equals the stock GGUF model."""
-    import gguf_env
+    from support import gguf_env
     gguf_env.require_gguf()
     base = gguf_env.make_gguf_wan(qtype, "t2v", layers=1)
     heads = base.gguf_dims["heads"]
@@ -43,7 +43,7 @@ def test_gguf_weights_split_and_equal_stock(env, qtype, block):
 def test_gguf_with_a_lora_equals_stock(env, lowvram):
     """A LoRA on GGUF weights rides on the weight (ComfyUI-GGUF applies it when it dequantizes): the pack's
     rows come from that patched weight."""
-    import gguf_env
+    from support import gguf_env
     torch = env.torch
     gguf_env.require_gguf()
     base = gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 from test_input_reuse import NAME, row_tiled_backend
 from test_wan_compat import forward, rel_err
 from test_wan_formats import _fp8_wan
@@ -56,7 +56,7 @@ def _model(env, fmt):
         if not hasattr(comfy.ops, "mixed_precision_ops"):
             pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
         return comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
-    import gguf_env
+    from support import gguf_env
     gguf_env.require_gguf()
     return gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
 

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 from test_wan_compat import MODEL, SIZE, SMALL, SdpaHeads, _fresh_verdicts, env, forward, inputs, rel_err  # noqa: F401
 

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 from test_wan_compat import _fresh_verdicts, env  # noqa: F401
 

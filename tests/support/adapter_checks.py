@@ -1,14 +1,14 @@
 """Test helper: what the adapter tests of the families share (tests/test_<family>_adapter.py): a tiny model from
 ComfyUI's own config class, the patched model against stock at every level, and a bounded block's MemTracker
-peak against ComfyUI's own block and the planner's working set. Imported as ``import adapter_checks`` (tests/ is
-on sys.path)."""
+peak against ComfyUI's own block and the planner's working set. Imported as ``from support import adapter_checks``
+(tests/ is on sys.path)."""
 from __future__ import annotations
 
 import importlib
 from typing import Callable, Optional
 
-import comfy_env
-import working_set_check
+from support import comfy_env
+from support import working_set_check
 
 LEVELS = ("Off", "Low", "Medium", "High")
 

@@ -1,6 +1,6 @@
 """Test helper: the planner's working-set estimate (an adapter's `SPEC.measured.working_sets`, nodes/families/measured.py) against the
 peaks a memory test measured with MemTracker. Imported by the adapters' memory tests as
-``import working_set_check`` (tests/ is on sys.path)."""
+``from support import working_set_check`` (tests/ is on sys.path)."""
 from __future__ import annotations
 
 import importlib
