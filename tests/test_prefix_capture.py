@@ -60,7 +60,7 @@ def test_capture_from_a_joint_call_and_its_errors():
 def test_capture_with_a_spanning_norm_and_a_staged_fake_keeps_the_16_bit_keys():
     """The keys are captured after the norm and RoPE, before a staged core smooths or quantizes them in place."""
     from support.reference import SpanningNormRope
-    from test_staged_seam import FakeBackend, FakeCore
+    from support.fake_backends import FakeBackend, FakeCore
 
     class SmoothingCore(FakeCore):
         def staged_quantize_k(self, k_list, settings):

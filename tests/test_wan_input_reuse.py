@@ -1,6 +1,6 @@
 """The bounded Wan block on a staged core that can reuse its modulated input (`reuse_input`, as SageAttention 2's
 sm90 core does), in the weight formats people load: a real ComfyUI, a tiny Wan, the fake row-tiled core of
-test_input_reuse.py (float copies as its "quantized" forms, so the results must equal stock's).
+tests/support/fake_backends.py (float copies as its "quantized" forms, so the results must equal stock's).
 
 Where the layers compute their projections by token ranges, the self-attention runs in its input (k projected
 once); fp8-scaled layers quantize their input once per layer call for every head group, so their projections do
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from support import comfy_env
-from test_input_reuse import NAME, row_tiled_backend
+from support.fake_backends import ROWS_NAME as NAME, row_tiled_backend
 from support.wan_runs import forward, rel_err, wan_in_format
 
 pytestmark = pytest.mark.comfyui
