@@ -172,7 +172,7 @@ def test_bounded_block_peak():
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     hidream = importlib.import_module(pack.__name__ + ".nodes.families.hidream")
     compat = importlib.import_module(pack.__name__ + ".nodes.compat")
-    from test_qwen_image_memory import measurement_module
+    from support.working_set_check import measurement_module
     memory = measurement_module(pack)
     width, heads, side, text = 512, 16, 96, 256
     block = hidream_model.HiDreamImageTransformerBlock(width, heads, width // heads, 4, 2, dtype=torch.bfloat16,
