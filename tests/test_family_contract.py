@@ -19,8 +19,6 @@ from support.family_runs import _family_floor, case_forward, env, family_groups,
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
-
 
 def test_the_cases_cover_every_registered_family(env):
     """family_cases has a case for every family the registry lists (the patch loop's and the node's description's),
@@ -64,7 +62,7 @@ def _fallbacks(env):
 def test_patched_equals_stock_at_every_level(env, family):
     case = family_cases.case(family)
     reference = case_forward(case)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for bounds in (False, True):
             patched, report = env.node.apply_patch(case.patcher, level, "sdpa", bounds)
             assert report.any_patched and not report.skipped_reasons, report.lines()
@@ -73,7 +71,7 @@ def test_patched_equals_stock_at_every_level(env, family):
                 out = case_forward(case, applied=patched)
             assert not _fallbacks(env), (family, level, bounds)
             assert rel_err(out, reference) <= 1e-5, (family, level, bounds, rel_err(out, reference))
-            groups = family_groups(env, family, case.kv_heads, LEVELS.index(level))
+            groups = family_groups(env, family, case.kv_heads, env.node.LEVELS.index(level))
             assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, level, spy.self_heads)
     assert rel_err(case_forward(case), reference) == 0   # the unpatched model is stock again
 

@@ -20,7 +20,6 @@ from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 HEADS = 4
 
 
@@ -69,7 +68,7 @@ def test_every_attention_equals_stock_at_every_level(env, hidream, split_everyth
     base = hidream_model()
     inputs = hidream_inputs(torch, batch=2)
     reference = forward(base, inputs)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for bounds in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", bounds)
             assert patched_counts(report) == ({"attention": 2, "block": 2} if bounds else {"attention": 2})
@@ -79,8 +78,9 @@ def test_every_attention_equals_stock_at_every_level(env, hidream, split_everyth
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, bounds)
             assert rel_err(out, reference) <= 1e-5, (level, bounds, rel_err(out, reference))
-            groups = env.core.SplitPolicy(LEVELS.index(level), 0, group_scale=hidream.SPEC.measured.group_scale).plan(
-                HEADS, 10**6).groups
+            policy = env.core.SplitPolicy(env.node.LEVELS.index(level), 0,
+                                          group_scale=hidream.SPEC.measured.group_scale)
+            groups = policy.plan(HEADS, 10**6).groups
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)
 

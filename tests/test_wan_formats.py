@@ -164,7 +164,7 @@ def test_every_level_with_other_nodes_hooks(env, kind):
     expected_calls = list(stock_calls)
     if comfy_env.version_tuple() >= (0, 33):   # older Wan code calls neither hook
         assert {name for name, _ in expected_calls} == {"attn1", "double_block"}
-    for level in ("Off", "Low", "Medium", "High"):
+    for level in env.node.LEVELS:
         for block in (False, True):
             del stock_calls[:]
             env.compat.forget_verdicts()
