@@ -9,7 +9,7 @@ import importlib
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
@@ -162,7 +162,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import importlib
 import torch
-import comfy_env
+from support import comfy_env
 env = comfy_env.pack_modules()
 attention = importlib.import_module(env.pack.__name__ + ".nodes.attention")
 kernels = env.core.kernels

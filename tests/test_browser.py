@@ -8,7 +8,7 @@ UI too, and none of their nodes may be of a type the frontend does not know.
 Nothing is written into the ComfyUI checkout: the server gets a temporary --base-directory (models,
 custom_nodes with a symlink to this repository and tests/browser/qkv_test_nodes.py, user, input, output,
 temp), a database in it, and PYTHONDONTWRITEBYTECODE=1. tests/browser/launch_comfyui.py starts main.py with
-tests/comfy_env.py's torchvision / torchaudio stubs (the CPU torch here has neither).
+tests/support/comfy_env.py's torchvision / torchaudio stubs (the CPU torch here has neither).
 
 Skipped, with the reason, without ComfyUI, Playwright (`pip install playwright`), a Chromium (Debian's
 `chromium`; QKV_CHROMIUM=/path picks one; Playwright's own download is used when it exists), the frontend
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 

@@ -10,9 +10,9 @@ import importlib.util
 
 import pytest
 
-import adapter_checks
-import comfy_env
-from comfy_env import rel_err, stock_fallbacks
+from support import adapter_checks
+from support import comfy_env
+from support.comfy_env import rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 torch = pytest.importorskip("torch")
 
@@ -119,14 +119,14 @@ def test_comfyui_test_files_are_marked():
     unmarked = []
     for f in sorted(Path(__file__).parent.glob("test_*.py")):
         text = f.read_text()
-        if not re.search(r"^\s*import (comfy_env|gguf_env)\b|require_comfyui\(", text, re.M):
+        if not re.search(r"^\s*from support import (comfy_env|gguf_env)\b|require_comfyui\(", text, re.M):
             continue
         mark = re.search(r"^pytestmark\s*=\s*(\[[^\]]*\]|[^\n]*)", text, re.M)
         if mark and "pytest.mark.comfyui" in mark.group(1):
             continue
         # or: ComfyUI used only inside test functions, each of them marked (a mostly ComfyUI-free file)
-        top_level = re.search(r"^(import (comfy_env|gguf_env)\b|\S.*require_comfyui\()", text, re.M)
-        users = len(re.findall(r"^\s+import (comfy_env|gguf_env)\b", text, re.M))
+        top_level = re.search(r"^(from support import (comfy_env|gguf_env)\b|\S.*require_comfyui\()", text, re.M)
+        users = len(re.findall(r"^\s+from support import (comfy_env|gguf_env)\b", text, re.M))
         if top_level or text.count("@pytest.mark.comfyui") < users:
             unmarked.append(f.name)
     assert not unmarked, f"ComfyUI-backed test files without pytestmark = pytest.mark.comfyui: {unmarked}"
@@ -242,7 +242,8 @@ V3_PACK = """
 
         @classmethod
         def execute(cls, kind):
-            import torch, comfy_env
+            import torch
+            from support import comfy_env
             m = comfy_env.make_wan(kind, dim=64, heads=2, layers=1)
             pos, neg = comfy_env.make_conds(m, kind, clip_tokens=17)
             return io.NodeOutput(m, pos, neg, {"samples": torch.zeros(1, 16, 2, 8, 8)})

@@ -17,9 +17,9 @@ import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
-from test_wan_compat import MODEL, SdpaHeads, _fresh_verdicts, env, forward, rel_err  # noqa: F401
+from support.wan_runs import MODEL, SdpaHeads, _fresh_verdicts, env, forward, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
 

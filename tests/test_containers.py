@@ -11,17 +11,11 @@ import sys
 
 import pytest
 
-import comfy_env
-import family_cases
-from test_family_contract import CASE_SPLIT_FLOOR, _family_floor, _forward, family_groups, rel_err  # noqa: F401
+from support import comfy_env
+from support import family_cases
+from support.family_runs import _family_floor, case_forward, env, family_groups, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
-
-
-@pytest.fixture(scope="module")
-def env():
-    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
-        yield modules
 
 
 @pytest.fixture
@@ -54,14 +48,14 @@ def containers(monkeypatch):
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
 def test_every_family_with_containers(env, containers, family):
     case = family_cases.case(family)
-    reference = _forward(case)
+    reference = case_forward(case)
     assert containers, f"{family}: no attention call went through the containers"
     patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", True)
     assert report.any_patched and not report.skipped_reasons, report.lines()
     env.compat.forget_verdicts()   # the self-check runs against the containers' forward
     env.core.reset_notices()
     with comfy_env.SdpaHeads(env.torch) as spy:
-        out = _forward(case, applied=patched)
+        out = case_forward(case, applied=patched)
     assert not comfy_env.stock_fallbacks(env), family
     assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
     groups = family_groups(env, family, case.kv_heads, 3)

@@ -11,12 +11,11 @@ import importlib
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 HEADS = 4
 TEXT_DIM = 32
 COSMOS = {"image_model": "cosmos_predict2", "in_channels": 16, "out_channels": 16, "max_img_h": 240,
@@ -69,8 +68,9 @@ def patched_counts(report) -> dict:
     return {what: n for (family, what), n in report.patched_counts.items()}
 
 
-def check_every_level(env, base, inputs, levels=LEVELS, tolerance=1e-5, blocks=2):
+def check_every_level(env, base, inputs, levels=None, tolerance=1e-5, blocks=2):
     torch = env.torch
+    levels = env.node.LEVELS if levels is None else levels
     reference = forward(base, inputs)
     for level in levels:
         for block in (False, True):
@@ -83,7 +83,7 @@ def check_every_level(env, base, inputs, levels=LEVELS, tolerance=1e-5, blocks=2
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= tolerance, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(HEADS, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

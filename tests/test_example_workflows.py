@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 

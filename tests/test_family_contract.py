@@ -1,5 +1,5 @@
-"""The contract every family adapter meets, one parametrized test per promise (tests/family_cases.py builds the
-tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
+"""The contract every family adapter meets, one parametrized test per promise (tests/support/family_cases.py builds
+the tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
 at every level, with and without block bounds, and really splits; a short sampling run equals stock; a LoRA on a
 q/k/v (or fused qkv) weight gives the LoRA's output; fp8 weights cast per call and GGUF weights equal stock; the
 unpatched model is stock again. Masks (HunyuanVideo's text
@@ -13,43 +13,11 @@ import math
 
 import pytest
 
-import comfy_env
-import family_cases
+from support import comfy_env
+from support import family_cases
+from support.family_runs import _family_floor, case_forward, env, family_groups, registered, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
-
-LEVELS = ("Off", "Low", "Medium", "High")
-
-
-# The cases are cond + uncond of 4,096+ tokens each (tests/family_cases.py): the head split is decided per batch
-# item, and real sizes split from 8,192 tokens an item. Half that here keeps the cases small and the split on,
-# with the text streams as short as on real sizes (projected whole).
-CASE_SPLIT_FLOOR = 4096
-
-
-@pytest.fixture(scope="module")
-def env():
-    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), CASE_SPLIT_FLOOR) as modules:
-        yield modules
-
-
-def registered(env, case: str):
-    """The registry's `Family` (nodes/families/__init__.py, `FAMILIES`) of the case `case`'s adapter."""
-    families = importlib.import_module(f"{env.pack.__name__}.nodes.families")
-    return next(family for family in families.FAMILIES if family.module == family_cases.ADAPTER_MODULES[case])
-
-
-@pytest.fixture(autouse=True)
-def _family_floor(request, env):
-    """A family that splits only from a multiple of the runtime's floor (its registered row's `split_floor_scale`) gets that fraction of the cases' floor, so that its 4,096-token items split like
-    the others'."""
-    family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
-    scale = registered(env, family).measured.split_floor_scale if family is not None else 1
-    if scale == 1:
-        yield
-        return
-    with comfy_env.split_floor_tokens(env, round(CASE_SPLIT_FLOOR / scale)):
-        yield
 
 
 def test_the_cases_cover_every_registered_family(env):
@@ -86,39 +54,6 @@ def test_measured_constants_come_from_one_table(env):
             assert path == "docs/benchmarks.md" and anchor in anchors, (family.module, where)
 
 
-def _forward(case, applied=None, weights=False):
-    """The diffusion model's output with `applied`'s patches in place (its object patches; with `weights`, its
-    weight patches too, e.g. a LoRA); None: as loaded."""
-    import torch
-    if applied is not None:
-        applied.patch_model(device_to=torch.device("cpu"), load_weights=weights)
-    try:
-        inputs = case.inputs()
-        inputs["transformer_options"] = {**inputs.get("transformer_options", {}),
-                                         **(applied or case.patcher).model_options.get("transformer_options", {})}
-        with torch.no_grad():
-            return case.patcher.model.diffusion_model(**inputs)
-    finally:
-        if applied is not None:
-            applied.unpatch_model(unpatch_weights=weights)
-
-
-def family_groups(env, family: str, kv_heads: int, level: int) -> int:
-    """The head groups of a long call of `family`'s (a case name) at `level` (0-3), its `group_scale` applied."""
-    group_scale = registered(env, family).measured.group_scale
-    return env.core.SplitPolicy(level, group_scale=group_scale).plan(kv_heads, 10**6).groups
-
-
-def rel_err(a, b):
-    """max |a - b| / max |b|; the largest over the streams of a model with several outputs (MiniMax H3's video and
-    audio, a list or a nested latent)."""
-    if getattr(b, "is_nested", False):
-        a, b = a.unbind(), b.unbind()
-    if isinstance(b, (list, tuple)):
-        return max(rel_err(x, y) for x, y in zip(a, b))
-    return float((a - b).abs().max() / b.abs().max())
-
-
 def _fallbacks(env):
     return comfy_env.stock_fallbacks(env)
 
@@ -126,19 +61,19 @@ def _fallbacks(env):
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
 def test_patched_equals_stock_at_every_level(env, family):
     case = family_cases.case(family)
-    reference = _forward(case)
-    for level in LEVELS:
+    reference = case_forward(case)
+    for level in env.node.LEVELS:
         for bounds in (False, True):
             patched, report = env.node.apply_patch(case.patcher, level, "sdpa", bounds)
             assert report.any_patched and not report.skipped_reasons, report.lines()
             env.core.reset_notices()
             with comfy_env.SdpaHeads(env.torch) as spy:
-                out = _forward(case, applied=patched)
+                out = case_forward(case, applied=patched)
             assert not _fallbacks(env), (family, level, bounds)
             assert rel_err(out, reference) <= 1e-5, (family, level, bounds, rel_err(out, reference))
-            groups = family_groups(env, family, case.kv_heads, LEVELS.index(level))
+            groups = family_groups(env, family, case.kv_heads, env.node.LEVELS.index(level))
             assert (case.heads or case.kv_heads) // groups in spy.self_heads, (family, level, spy.self_heads)
-    assert rel_err(_forward(case), reference) == 0   # the unpatched model is stock again
+    assert rel_err(case_forward(case), reference) == 0   # the unpatched model is stock again
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
@@ -163,19 +98,19 @@ def test_sampling_equals_stock(env, family):
 def test_lora_on_the_projection_weight(env, family):
     torch = env.torch
     case = family_cases.case(family)
-    plain = _forward(case)
+    plain = case_forward(case)
     weight = case.patcher.model.get_parameter(case.lora_key)
     lora = case.patcher.clone()
     lora.add_patches({case.lora_key: (torch.randn(weight.shape, generator=torch.Generator().manual_seed(3))
                                       * 0.05,)}, 1.0)
-    stock_lora = _forward(case, applied=lora, weights=True)
+    stock_lora = case_forward(case, applied=lora, weights=True)
     patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
     env.core.reset_notices()
-    ours_lora = _forward(case, applied=patched, weights=True)
+    ours_lora = case_forward(case, applied=patched, weights=True)
     assert not _fallbacks(env)
     assert rel_err(stock_lora, plain) > 1e-3             # the LoRA changes the output
     assert rel_err(ours_lora, stock_lora) <= 1e-5
-    assert rel_err(_forward(case), plain) <= 1e-6         # and is gone afterwards
+    assert rel_err(case_forward(case), plain) <= 1e-6         # and is gone afterwards
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
@@ -215,12 +150,12 @@ def test_projections_are_row_sliceable_and_a_foreign_layer_is_named(env, family)
 def _equals_stock_and_splits(env, case, family):
     """`case`'s weights as loaded: patched (High, block bounds) equals stock without a fallback, and the head
     split runs (the self-attention sees the heads of one group)."""
-    reference = _forward(case)
+    reference = case_forward(case)
     patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", True)
     assert report.any_patched and not report.skipped_reasons, report.lines()
     env.core.reset_notices()
     with comfy_env.SdpaHeads(env.torch) as spy:
-        out = _forward(case, applied=patched)
+        out = case_forward(case, applied=patched)
     assert not _fallbacks(env), family
     assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
     groups = family_groups(env, family, case.kv_heads, 3)
@@ -242,7 +177,7 @@ def test_gguf_weights(env, family):
     """GGUF (Q8_0) weights through city96's ComfyUI-GGUF (its GGMLOps, each Linear dequantizing its own weight):
     patched equals stock on the same weights at High with block bounds, without a fallback, and the split runs.
     Skipped without ComfyUI-GGUF or `gguf`."""
-    import gguf_env
+    from support import gguf_env
     case = family_cases.case(family)
     gguf = gguf_env.as_gguf(case.patcher)
     assert gguf.gguf_keys
@@ -259,13 +194,13 @@ def test_each_family_splits_from_its_own_floor(env, family):
     case = family_cases.case(family)
     scale = registered(env, family).measured.split_floor_scale
     with comfy_env.SdpaHeads(env.torch) as stock_spy:
-        reference = _forward(case)
+        reference = case_forward(case)
     with comfy_env.split_floor_tokens(env, round(max(stock_spy.self_tokens) / 1.2)):
         patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", True)
         env.core.reset_notices()
-        _forward(case, applied=patched)   # the self-checks (the split forced) run at the first call of a kind
+        case_forward(case, applied=patched)   # the self-checks (the split forced) run at the first call of a kind
         with comfy_env.SdpaHeads(env.torch) as spy:
-            out = _forward(case, applied=patched)
+            out = case_forward(case, applied=patched)
     assert not _fallbacks(env), family
     assert rel_err(out, reference) <= 1e-5, (family, rel_err(out, reference))
     heads = case.heads or case.kv_heads
@@ -291,7 +226,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
     shape = tuple((x[0] if isinstance(x, list) else x).shape)   # MiniMax H3: [video, audio], the video's
     tokens = adapter.tokens_per_item(model, shape)
     with comfy_env.SdpaHeads(env.torch) as stock_spy:
-        _forward(case)
+        case_forward(case)
     longest = max(stock_spy.self_tokens)
     assert tokens <= longest, (family, tokens, longest)
     scale = adapter.SPEC.measured.split_floor_scale
@@ -303,7 +238,7 @@ def test_the_planner_splits_as_the_runtime_does(env, family):
                                 ("under it", math.ceil((longest + 1) / scale))):
         with comfy_env.split_floor_tokens(env, runtime_floor):
             env.core.drain_tally()
-            _forward(case, applied=patched)   # the self-checks of a first call are not counted
+            case_forward(case, applied=patched)   # the self-checks of a first call are not counted
             tally = env.core.drain_tally()
             plan = planner.plan(adapter, model, shape, config, batch=shape[0])
             factor, why = env.node.memory_factor(config, adapter, model, shape, {})

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 HEADS = 4
 
 FLUX1 = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32, "context_in_dim": 32,
@@ -54,7 +53,7 @@ def _flux_inputs(torch, latent=(1, 16, 32, 24), text_tokens=12, seed=1):
 def _check_every_level(env, base, inputs, blocks: dict):
     torch = env.torch
     reference = forward(base, inputs)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert not report.skipped_reasons, report.lines()
@@ -64,7 +63,7 @@ def _check_every_level(env, base, inputs, blocks: dict):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(HEADS, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

@@ -10,7 +10,7 @@ import importlib
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
@@ -153,11 +153,11 @@ def _fused_layer_norm(width):
 
 
 def _wan_model(env, fmt):
-    """A tiny one-layer Wan in the weight format `fmt`, as tests/test_wan_input_reuse.py builds them (I2V: float32)."""
+    """A tiny one-layer Wan in the weight format `fmt`, as tests/support/wan_runs.py builds them (I2V: float32)."""
     if fmt == "i2v":
         return comfy_env.make_wan("i2v", dim=256, heads=8, layers=1)
-    from test_wan_input_reuse import _model
-    return _model(env, fmt)
+    from support.wan_runs import wan_in_format
+    return wan_in_format(env, fmt)
 
 
 # weight format -> tolerance against stock (bf16: its own rounding; fp8-scaled: its layers quantize their inputs)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-import gguf_env
+from support import comfy_env
+from support import gguf_env
 
 pytestmark = pytest.mark.comfyui
 

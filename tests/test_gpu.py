@@ -7,7 +7,7 @@ import torch
 
 import qkv_core as qc
 from benchmarks.memory import measure_peak
-from reference import RopeTable, WanNorm, make_qkv, randn
+from support.reference import RopeTable, WanNorm, make_qkv, randn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]

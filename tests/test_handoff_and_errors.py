@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from reference import PerHeadNormRope, SpanningNormRope, make_qkv, max_rel_err, randn
+from support.reference import PerHeadNormRope, SpanningNormRope, make_qkv, max_rel_err, randn
 
 H, D, FEAT = 8, 32, 64
 

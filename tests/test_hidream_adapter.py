@@ -13,14 +13,13 @@ import importlib
 
 import pytest
 
-import comfy_env
-import working_set_check
-import family_cases
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support import working_set_check
+from support import family_cases
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 HEADS = 4
 
 
@@ -69,7 +68,7 @@ def test_every_attention_equals_stock_at_every_level(env, hidream, split_everyth
     base = hidream_model()
     inputs = hidream_inputs(torch, batch=2)
     reference = forward(base, inputs)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for bounds in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", bounds)
             assert patched_counts(report) == ({"attention": 2, "block": 2} if bounds else {"attention": 2})
@@ -79,8 +78,9 @@ def test_every_attention_equals_stock_at_every_level(env, hidream, split_everyth
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, bounds)
             assert rel_err(out, reference) <= 1e-5, (level, bounds, rel_err(out, reference))
-            groups = env.core.SplitPolicy(LEVELS.index(level), 0, group_scale=hidream.SPEC.measured.group_scale).plan(
-                HEADS, 10**6).groups
+            policy = env.core.SplitPolicy(env.node.LEVELS.index(level), 0,
+                                          group_scale=hidream.SPEC.measured.group_scale)
+            groups = policy.plan(HEADS, 10**6).groups
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)
 
@@ -172,7 +172,7 @@ def test_bounded_block_peak():
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
     hidream = importlib.import_module(pack.__name__ + ".nodes.families.hidream")
     compat = importlib.import_module(pack.__name__ + ".nodes.compat")
-    from test_qwen_image_memory import measurement_module
+    from support.working_set_check import measurement_module
     memory = measurement_module(pack)
     width, heads, side, text = 512, 16, 96, 256
     block = hidream_model.HiDreamImageTransformerBlock(width, heads, width // heads, 4, 2, dtype=torch.bfloat16,

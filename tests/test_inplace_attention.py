@@ -11,7 +11,7 @@ import torch
 
 import qkv_core as qc
 from qkv_core import head_split, inplace_attention, kernels, runtime
-from test_kernels import run_in_interpreter
+from support.interpreter import run_in_interpreter
 
 KERNEL_CHECK = textwrap.dedent("""
     import math, torch

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from reference import PerHeadNormRope, make_qkv, max_rel_err, randn
+from support.reference import PerHeadNormRope, make_qkv, max_rel_err, randn
 
 from test_handoff_and_errors import D, FEAT, H, layers, x16  # noqa: F401
 

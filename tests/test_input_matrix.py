@@ -47,9 +47,9 @@ from typing import Callable, NamedTuple, Optional
 
 import pytest
 
-import comfy_env
-import family_cases
-import formats
+from support import comfy_env
+from support import family_cases
+from support import formats
 
 pytestmark = pytest.mark.comfyui
 
@@ -433,7 +433,7 @@ def test_row(env, models, family, fmt, cond):
 def test_gguf_f16_file_splits(env, family):
     """A GGUF F16 file (every 2-D Linear weight F16, as city96 publishes them next to the quantized ones): the
     self-check passes, the split runs and the output is stock's within float32 round-off."""
-    import gguf_env
+    from support import gguf_env
     base = FAMILIES[family].model()
     patcher = gguf_env.as_gguf_file_mix(base, "F16")
     patcher.qkv_format = formats.Format("gguf_f16", env.torch.float32, True, False)

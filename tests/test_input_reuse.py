@@ -9,80 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import SpanningNormRope, make_qkv, max_rel_err, randn, reference
+from support.fake_backends import ROWS_NAME as NAME, TILE, row_tiled_backend
+from support.reference import SpanningNormRope, make_qkv, max_rel_err, randn, reference
 
 H, D, FEAT = 8, 32, 256
-NAME = "fake-rows"
 ITEM_FLOOR = 512   # the split floor these tests run with (the runtime's: 8,192 tokens an item)
-TILE = 64
 
 
 @pytest.fixture(autouse=True)
 def item_floor(monkeypatch):
     monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", ITEM_FLOOR)
-
-
-def row_tiled_backend(core_module, name: str = NAME):
-    """A backend of `core_module` (the process's `qkv_core`, or the pack's own when ComfyUI loads it) whose
-    staged core keeps float copies as its "quantized" forms and assembles q by tiles of `TILE` tokens."""
-
-    class RowsCore(core_module.StagedCore):
-        name = "fake-rows-core"
-
-        def __init__(self):
-            self.log = []
-
-        def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False,
-                     native_prefix=None):
-            return dict(scale=softmax_scale, dtype=dtype, device=device)
-
-        def staged_quantize_v(self, v_list, settings):
-            self.log.append("quantize v")
-            return v_list.pop().clone()
-
-        def staged_quantize_k(self, k_list, settings):
-            self.log.append("quantize k")
-            return k_list.pop().clone()
-
-        def staged_quantize_q(self, q_list, settings):
-            self.log.append("quantize q")
-            return q_list.pop().clone()
-
-        def q_row_tile(self, settings):
-            return TILE
-
-        def empty_quantized_q(self, q_shape, settings):
-            return torch.full(q_shape, float("nan"), dtype=settings["dtype"], device=settings["device"])
-
-        def place_quantized_q_rows(self, full, part, token_start):
-            assert token_start % TILE == 0
-            self.log.append(f"place q {token_start}")
-            full[:, token_start:token_start + part.shape[1]] = part
-
-        def quantized_q_heads(self, full, heads):
-            return full[:, :, heads.start:heads.stop]
-
-        def staged_attention(self, out, quantized, settings, mask=None):
-            q, k, v = quantized
-            assert not torch.isnan(q).any(), "a query tile was never placed"
-            self.log.append("attention")
-            out.copy_(F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     attn_mask=mask, scale=settings["scale"],
-                                                     enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2))
-
-    class RowsBackend(core_module.backends.AttentionBackend):
-        def __init__(self, staged):
-            self.name = name
-            self.staged_core = staged
-
-        def attend(self, q, k, v, mask=None, softmax_scale=None):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  attn_mask=mask, scale=softmax_scale).transpose(1, 2)
-
-    return RowsBackend(RowsCore())
 
 
 @pytest.fixture

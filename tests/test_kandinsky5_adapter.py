@@ -10,13 +10,12 @@ import importlib.util
 
 import pytest
 
-import comfy_env
-import working_set_check
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support import working_set_check
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 TEXT_DIM, POOLED_DIM = 48, 24
 # Kandinsky 5 Lite's layout (head_dim 128, 3 RoPE axes), scaled down: 4 heads of 32
 VIDEO = {"image_model": "kandinsky5", "in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": TEXT_DIM,
@@ -62,7 +61,7 @@ def test_video_equals_stock_at_every_level(env, split_everything):
     reference = forward(base, inputs)
     attentions = len(model.text_transformer_blocks) + len(model.visual_transformer_blocks)
     heads = model.visual_transformer_blocks[0].self_attention.num_heads
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert not report.skipped_reasons, report.lines()
@@ -74,7 +73,7 @@ def test_video_equals_stock_at_every_level(env, split_everything):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(heads, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(heads, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

@@ -2,29 +2,13 @@
 in a child process: Triton reads it when the kernels are defined). Skipped when Triton is not installed."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from qkv_core import kernels
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_in_interpreter(script: str) -> str:
-    """`script` in a child Python with TRITON_INTERPRET=1 (Triton reads it when the kernels are defined): its
-    stdout, after checking that it succeeded. Skips without Triton."""
-    pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+from support.interpreter import run_in_interpreter
 
 CHECK = textwrap.dedent("""
     import torch

@@ -12,12 +12,11 @@ import importlib
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 HEADS = 4
 CAPTION = 32
 LTXV = {"image_model": "ltxv", "in_channels": 16, "cross_attention_dim": 128, "attention_head_dim": 32,
@@ -90,10 +89,11 @@ def patched_counts(report) -> dict:
     return {what: n for (family, what), n in report.patched_counts.items()}
 
 
-def check_every_level(env, base, inputs, counts: dict, levels=LEVELS, skipped=()):
+def check_every_level(env, base, inputs, counts: dict, levels=None, skipped=()):
     """Patched == stock at `levels` with and without block bounds, the split really running. `counts`: the
     report's patched modules with block bounds on (without: the attention modules only)."""
     torch = env.torch
+    levels = env.node.LEVELS if levels is None else levels
     reference = forward(base, inputs)
     for level in levels:
         for block in (False, True):
@@ -107,7 +107,7 @@ def check_every_level(env, base, inputs, counts: dict, levels=LEVELS, skipped=()
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(HEADS, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     again = forward(base, inputs)   # the unpatched model is stock again
     assert all(torch.equal(a, b) for a, b in zip(again, reference)) if isinstance(again, list) else \

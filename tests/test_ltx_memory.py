@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-import comfy_env
-import working_set_check
+from support import comfy_env
+from support import working_set_check
 
 pytestmark = pytest.mark.comfyui
 

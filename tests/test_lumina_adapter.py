@@ -9,12 +9,11 @@ import importlib
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 CAPTION_DIM = 32
 
 # Lumina 2's layout (24 heads on 8 key/value heads), scaled down: 8 query heads on 4 key/value heads
@@ -80,7 +79,7 @@ def check_every_level(env, base, inputs, heads: int, kv_heads: int):
     torch = env.torch
     reference = forward(base, inputs)
     blocks = _blocks(base.model.diffusion_model)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert not report.skipped_reasons, report.lines()
@@ -91,7 +90,7 @@ def check_every_level(env, base, inputs, heads: int, kv_heads: int):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (level, block)
             assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(kv_heads, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(kv_heads, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 
@@ -264,7 +263,7 @@ FUSED_NORM_CHECK = """
 import sys
 sys.path.insert(0, {tests!r})
 import torch
-import comfy_env
+from support import comfy_env
 import test_lumina_adapter as t
 env = comfy_env.pack_modules()
 env.core.head_split.SPLIT_FLOOR_TOKENS = 0   # as conftest.py does for the tests: tiny sequences take the pack's path

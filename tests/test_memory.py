@@ -17,7 +17,7 @@ import torch
 
 import qkv_core as qc
 from benchmarks.memory import PeakMemory, check_cpu_tracker
-from reference import RopeTable, WanNorm, make_qkv, randn
+from support.reference import RopeTable, WanNorm, make_qkv, randn
 
 H, D, N = 8, 128, 16384
 WIDTH = H * D

@@ -14,9 +14,9 @@ import types
 
 import pytest
 
-import adapter_checks
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import adapter_checks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 

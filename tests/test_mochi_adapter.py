@@ -9,8 +9,8 @@ import importlib
 
 import pytest
 
-import adapter_checks
-import comfy_env
+from support import adapter_checks
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 

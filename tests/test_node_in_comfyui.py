@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.comfyui
 # empty latent) and a node that hands the sampled latent back to the test.
 HELPER_PACK = """
     from comfy_api.latest import ComfyExtension, io
-    import comfy_env
+    from support import comfy_env
 
     class TinyWan(io.ComfyNode):
         @classmethod

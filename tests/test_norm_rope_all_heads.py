@@ -80,7 +80,7 @@ def test_per_head_norm_rope_all_heads_equals_group_by_group(monkeypatch):
     """`PerHeadNormRope.query_all_heads_` with the fused pass stood in by its PyTorch reference (the kernel's
     own numerics are tested in test_kernels.py): the same as each group's call, and nothing done when one
     stream's pass cannot run."""
-    import comfy_env
+    from support import comfy_env
     env = comfy_env.pack_modules()
     norm_rope_module = importlib.import_module(env.pack.__name__ + ".nodes.norm_rope")
     kernels = norm_rope_module.kernels

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import comfy_env
+from support import comfy_env
 import qkv_core as qc
 from qkv_core import notices
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-import formats
+from support import comfy_env
+from support import formats
 
 pytestmark = pytest.mark.comfyui
 

@@ -19,8 +19,8 @@ import importlib
 
 import pytest
 
-import comfy_env
-import formats
+from support import comfy_env
+from support import formats
 import test_input_matrix as matrix
 
 pytestmark = pytest.mark.comfyui

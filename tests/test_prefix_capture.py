@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from reference import PerHeadNormRope, make_qkv, max_rel_err, randn
+from support.reference import PerHeadNormRope, make_qkv, max_rel_err, randn
 
 H, D, FEAT = 8, 32, 256
 GENERATED, REFERENCE = 4096, 512
@@ -59,8 +59,8 @@ def test_capture_from_a_joint_call_and_its_errors():
 
 def test_capture_with_a_spanning_norm_and_a_staged_fake_keeps_the_16_bit_keys():
     """The keys are captured after the norm and RoPE, before a staged core smooths or quantizes them in place."""
-    from reference import SpanningNormRope
-    from test_staged_seam import FakeBackend, FakeCore
+    from support.reference import SpanningNormRope
+    from support.fake_backends import FakeBackend, FakeCore
 
     class SmoothingCore(FakeCore):
         def staged_quantize_k(self, k_list, settings):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import qkv_core as qc
 from qkv_core.projections import WholeThenSlice
-from reference import make_linear, randn
+from support.reference import make_linear, randn
 
 
 def _prepared(linear, x):

@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from comfy_env import model_forward as forward, rel_err
+from support.comfy_env import model_forward as forward, rel_err
 import test_reference_cache as reference_tests
 
 pytestmark = pytest.mark.comfyui

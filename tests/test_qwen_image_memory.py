@@ -10,8 +10,9 @@ import importlib
 
 import pytest
 
-import comfy_env
-import working_set_check
+from support import comfy_env
+from support import working_set_check
+from support.working_set_check import measurement_module
 
 pytestmark = pytest.mark.comfyui
 
@@ -51,16 +52,6 @@ def block_inputs(torch):
                 encoder_hidden_states_mask=None,
                 temb=torch.randn(1, WIDTH, generator=g).to(torch.bfloat16),
                 image_rotary_emb=freqs)
-
-
-def measurement_module(pack):
-    """`benchmarks.memory` (qkv_core/memory.py before the benchmarks moved out of the runtime)."""
-    for name in ("benchmarks.memory", "qkv_core.memory"):
-        try:
-            return importlib.import_module(f"{pack.__name__}.{name}")
-        except ImportError:
-            continue
-    pytest.skip("no memory-measurement module (benchmarks/memory.py)")
 
 
 def test_bounded_block_peak():

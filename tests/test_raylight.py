@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
-import gloo_ranks
+from support import comfy_env
+from support import gloo_ranks
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.sequence_parallel]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-import gloo_ranks
+from support import comfy_env
+from support import gloo_ranks
 import test_raylight as raylight
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.sequence_parallel]

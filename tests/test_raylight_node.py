@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.sequence_parallel]
 
@@ -76,7 +76,8 @@ def test_the_worker_patch_runs_where_the_pack_is_not_imported(tmp_path):
     script = f"""
 import sys
 sys.path[:0] = [{str(Path(__file__).parent)!r}]
-import cloudpickle, comfy_env
+import cloudpickle
+from support import comfy_env
 comfy_env.setup()
 assert {node.PACKAGE!r} not in sys.modules
 patch = cloudpickle.loads(open({str(sent)!r}, "rb").read())

@@ -13,8 +13,8 @@ import importlib
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err
 
 pytestmark = pytest.mark.comfyui
 
@@ -198,7 +198,7 @@ def test_qwen_image_edit_references_are_cached_too(env):
     """Qwen-Image-Edit (its `ref_latents` joined after the image, `[text, image]` joint blocks): the same
     definition check as Flux's, on the contract test's tiny model (2 x (4,096 + 1,024) tokens, split)."""
     import comfy.model_management
-    import family_cases
+    from support import family_cases
     torch = env.torch
     case = family_cases.qwen_image()
     inputs = case.inputs()

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]
@@ -21,8 +21,8 @@ FLUX = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_di
 
 
 def _sage2() -> bool:
-    """SageAttention 2 on an sm90 GPU (test_sage2_gpu's check: its version read as the pack reads it)."""
-    from test_sage2_gpu import sage2_reason
+    """SageAttention 2 on an sm90 GPU (support/sage2.py's check: its version read as the pack reads it)."""
+    from support.sage2 import sage2_reason
     return sage2_reason() is None and torch.cuda.get_device_capability() == (9, 0)
 
 

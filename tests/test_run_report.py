@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 import test_wan_memory as wan_memory
 from test_node_in_comfyui import _prompt, loaded  # noqa: F401  (the prompt fixture)
 

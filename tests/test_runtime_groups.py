@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkv_core as qc
-from reference import SpanningNormRope, Unsliceable, make_qkv, max_rel_err, randn, reference, sample_rows
+from support.reference import SpanningNormRope, Unsliceable, make_qkv, max_rel_err, randn, reference, sample_rows
 
 from test_runtime_numerics import (D, FEAT, H, ITEM_FLOOR, LEVELS, REAL_FLOOR, TOL_REF, TOL_SPLIT,  # noqa: F401
                                    Recorder, check_levels, item_floor, make_norm, make_prefix, norm_options)

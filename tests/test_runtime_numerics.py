@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv,
-                       max_rel_err, project64, randn, reference, sample_rows)
+from support.reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv,
+                               max_rel_err, project64, randn, reference, sample_rows)
 
 H, D, FEAT = 8, 32, 64
-LEVELS = (0, 1, 2, 3)
+LEVELS = tuple(range(len(qc.LEVEL_NAMES)))   # 0-3: the runtime's levels (Off, Low, Medium, High)
 TOL_REF = 1e-5      # float32 vs float64, relative to max|ref|
 TOL_SPLIT = 2e-6    # float32 split vs unsplit: ~1e-6 (mean squares summed by groups of heads round differently)
 TOL_SPLIT_BF16 = 1e-2  # observed ~3e-3

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv, max_rel_err,
-                       project64, randn, reference, sample_rows)
+from support.reference import (PerHeadNormRope, SpanningNormRope, Unsliceable, ValueNorm, make_linear, make_qkv,
+                               max_rel_err, project64, randn, reference, sample_rows)
 
 from test_runtime_numerics import (D, FEAT, H, ITEM_FLOOR, LEVELS, TOL_REF, TOL_SPLIT, Recorder,  # noqa: F401
                                    TOL_REF_BF16, TOL_SPLIT_BF16, check_levels, item_floor, make_mask, make_norm,

@@ -14,7 +14,7 @@ from qkv_core import group_loop, prefix_join, statistics, validation
 from qkv_core.head_split import HeadGroup
 from qkv_core.options import AttentionOptions
 from qkv_core.streams import CallStreams, TokenStream
-from reference import make_qkv, randn
+from support.reference import make_qkv, randn
 
 H, D = 4, 32
 W = H * D

@@ -14,19 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import make_qkv, randn
-
-
-def sage2_reason():
-    """Why SageAttention 2's GPU tests cannot run here, or None (test_wan_gpu.py asks too)."""
-    if not torch.cuda.is_available():
-        return "needs CUDA (a GPU machine)"
-    try:
-        import sageattention
-    except Exception as error:  # noqa: BLE001 - not installed, or a build that does not load
-        return f"SageAttention is not importable ({type(error).__name__})"
-    major = qc.backends.sage_major_version(sageattention)   # as the pack reads it (a source-folder build too)
-    return None if major == 2 else f"SageAttention {major or '?'}.x is not 2.x"
+from support.reference import make_qkv, randn
+from support.sage2 import sage2_reason
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(sage2_reason() is not None, reason=str(sage2_reason()))]

@@ -5,15 +5,11 @@ dequantized into the joined keys). Skipped without Triton or `sageattention` (sc
 same on CUDA: tests/test_gpu.py."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.interpreter import run_in_interpreter
 
 CHECK = textwrap.dedent("""
     import sys
@@ -82,10 +78,7 @@ CHECK = textwrap.dedent("""
 def test_sage1_staged_core_equals_sageattn_in_the_interpreter():
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     pytest.importorskip("sageattention", reason="SageAttention is not installed (pip install sageattention==1.0.6)")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", CHECK], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    if done.stdout.startswith("SKIP: "):
-        pytest.skip(done.stdout[len("SKIP: "):].strip())
-    assert "cases 8" in done.stdout
+    stdout = run_in_interpreter(CHECK, timeout=900)
+    if stdout.startswith("SKIP: "):
+        pytest.skip(stdout[len("SKIP: "):].strip())
+    assert "cases 8" in stdout

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-from comfy_env import model_forward as forward, rel_err, stock_fallbacks
+from support import comfy_env
+from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
 pytestmark = pytest.mark.comfyui
 
-LEVELS = ("Off", "Low", "Medium", "High")
 DEPTH = 4          # MMDiT: depth heads of 64 channels (hidden 256)
 HEADS = DEPTH
 CONTEXT = 32
@@ -86,7 +85,7 @@ def test_equals_stock_at_every_level(env, split_everything, layout):
     base = sd3_model(layout)
     inputs = sd3_inputs(torch)
     reference = forward(base, inputs)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert not report.skipped_reasons, report.lines()
@@ -96,7 +95,7 @@ def test_equals_stock_at_every_level(env, split_everything, layout):
                 out = forward(base, inputs, applied=patched)
             assert not stock_fallbacks(env), (layout, level, block)
             assert rel_err(out, reference) <= 1e-5, (layout, level, block, rel_err(out, reference))
-            groups = env.core.group_count(HEADS, 10**6, LEVELS.index(level), split_floor_tokens=0)
+            groups = env.core.group_count(HEADS, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
             assert HEADS // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
 

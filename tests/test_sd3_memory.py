@@ -11,8 +11,9 @@ import importlib
 
 import pytest
 
-import comfy_env
-import working_set_check
+from support import comfy_env
+from support import working_set_check
+from support.working_set_check import measurement_module
 
 pytestmark = pytest.mark.comfyui
 
@@ -37,16 +38,6 @@ def block_inputs(torch):
     return dict(context=torch.randn(1, TEXT, WIDTH, generator=g).to(torch.bfloat16),
                 x=torch.randn(1, TOKENS, WIDTH, generator=g).to(torch.bfloat16),
                 c=torch.randn(1, WIDTH, generator=g).to(torch.bfloat16), transformer_options={})
-
-
-def measurement_module(pack):
-    """`benchmarks.memory` (qkv_core/memory.py before the benchmarks moved out of the runtime)."""
-    for name in ("benchmarks.memory", "qkv_core.memory"):
-        try:
-            return importlib.import_module(f"{pack.__name__}.{name}")
-        except ImportError:
-            continue
-    pytest.skip("no memory-measurement module (benchmarks/memory.py)")
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

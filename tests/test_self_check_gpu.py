@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]

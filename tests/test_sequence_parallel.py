@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import gloo_ranks
+from support import gloo_ranks
 
 from qkv_core.sequence_parallel import (exchange_group_count, process_group_of, ulysses_qkv_attention,
                                         valid_group_counts)

@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 
 import qkv_core as qc
-from reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_qkv, max_rel_err, randn
+from support.fake_backends import FakeBackend, FakeCore
+from support.reference import PerHeadNormRope, SpanningNormRope, ValueNorm, make_qkv, max_rel_err, randn
+
+NAME = FakeBackend.name
 
 H, D, FEAT = 8, 32, 64
-NAME = "fake-staged"
 TOL = 1e-6
 ITEM_FLOOR = 512   # the split floor these tests run with: batches of 16 x 512 tokens split (runtime: 8,192 an item)
 
@@ -22,60 +24,6 @@ ITEM_FLOOR = 512   # the split floor these tests run with: batches of 16 x 512 t
 @pytest.fixture(autouse=True)
 def item_floor(monkeypatch):
     monkeypatch.setattr(qc.head_split, "SPLIT_FLOOR_TOKENS", ITEM_FLOOR)
-
-
-class FakeCore(qc.StagedCore):
-    name = "fake-core"
-
-    def __init__(self, log):
-        self.log = log
-        self.lists = []
-        self.settings_calls = []
-        self.masks = []
-
-    def settings(self, q_shape, k_shape, dtype, device, softmax_scale=None, masked=False, native_prefix=None):
-        self.settings_calls.append((tuple(q_shape), tuple(k_shape), dtype))
-        return {"scale": softmax_scale}
-
-    def _quantize(self, which, tensor_list):
-        assert isinstance(tensor_list, list) and len(tensor_list) == 1 and torch.is_tensor(tensor_list[0])
-        self.lists.append(tensor_list)
-        self.log.append(f"quantize {which}")
-        tensor = tensor_list.pop()  # the core takes the tensor out of the list it is handed
-        return ("quantized", which, tensor)
-
-    def staged_quantize_v(self, v_list, settings):
-        return self._quantize("v", v_list)
-
-    def staged_quantize_k(self, k_list, settings):
-        return self._quantize("k", k_list)
-
-    def staged_quantize_q(self, q_list, settings):
-        return self._quantize("q", q_list)
-
-    def staged_attention(self, out, quantized, settings, mask=None):
-        (_, wq, q), (_, wk, k), (_, wv, v) = quantized
-        assert (wq, wk, wv) == ("q", "k", "v")
-        self.log.append("attention")
-        self.masks.append(mask)
-        result = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                attn_mask=mask, scale=settings["scale"],
-                                                enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
-        out.copy_(result)
-
-
-class FakeBackend(qc.backends.AttentionBackend):
-    name = NAME
-
-    def __init__(self, core):
-        self.staged_core = core
-        self.attend_calls = 0
-
-    def attend(self, q, k, v, mask=None, softmax_scale=None):  # the unstaged call
-        self.attend_calls += 1
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask, scale=softmax_scale,
-                                              enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 

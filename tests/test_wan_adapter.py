@@ -12,13 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = pytest.mark.comfyui
 
 SIZE = dict(frames=3, h=64, w=88, batch=2)   # 3 x 32 x 44 = 4,224 tokens per item
 MODEL = dict(dim=256, heads=8, layers=1)     # head_dim 32; 8 heads split 1/4/8/8 at Off/Low/Medium/High
-LEVELS = ("Off", "Low", "Medium", "High")
 KINDS = ("t2v", "i2v", "wan22_5b", "vace")
 
 
@@ -58,14 +57,14 @@ SdpaHeads = comfy_env.SdpaHeads
 def test_patched_equals_stock_at_every_level(env, kind):
     base = comfy_env.make_wan(kind, **MODEL)
     reference = forward(base, kind)
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert report.any_patched and not report.skipped_reasons, report.lines()
             with SdpaHeads(env.torch) as spy:
                 out = forward(base, kind, applied=patched)
             assert rel_err(out, reference) <= 1e-5, (kind, level, block)
-            groups = env.core.group_count(8, SIZE["batch"] * 4224, LEVELS.index(level))
+            groups = env.core.group_count(8, SIZE["batch"] * 4224, env.node.LEVELS.index(level))
             assert set(spy.self_heads) == {8 // groups}, (level, spy.self_heads)  # really ran split
     # the unpatched model is stock again
     assert env.torch.equal(forward(base, kind), reference)

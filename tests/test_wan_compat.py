@@ -16,55 +16,11 @@ import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
+from support.wan_runs import MODEL, SdpaHeads, _fresh_verdicts, env, forward, rel_err  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
 
-SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: above the (lowered) split floor
-SMALL = dict(frames=2, h=16, w=24, batch=2)  # 2 x 192 tokens: semantics only (the self-check splits anyway)
-MODEL = dict(dim=256, heads=8, layers=1)
-
-
-@pytest.fixture(scope="module")
-def env():
-    # cond + uncond of 4,224 tokens each: split as 16,384+ tokens an item are (the floor counts one item; Wan's is
-    # 2x the runtime's, `wan.SPEC.measured.split_floor_scale`)
-    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
-        yield modules
-
-
-@pytest.fixture(autouse=True)
-def _fresh_verdicts(env):
-    env.compat.forget_verdicts()
-    env.core.reset_notices()
-    yield
-    env.compat.forget_verdicts()
-
-
-def inputs(patcher, kind="t2v", **size):
-    return comfy_env.make_inputs(patcher.model, kind, **(size or SIZE))
-
-
-def forward(patcher, applied=None, kind="t2v", **size):
-    """The diffusion model's output with `applied`'s object patches in place and its transformer_options
-    (other nodes' hooks) passed as ComfyUI passes them."""
-    import torch
-    target = applied if applied is not None else patcher
-    target.patch_model(load_weights=False)
-    try:
-        kwargs = inputs(patcher, kind, **size)
-        kwargs["transformer_options"] = dict(target.model_options.get("transformer_options", {}))
-        with torch.no_grad():
-            return patcher.model.diffusion_model(**kwargs)
-    finally:
-        target.unpatch_model(unpatch_weights=False)
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
-
-
-SdpaHeads = comfy_env.SdpaHeads
 
 
 # --- the self-check -------------------------------------------------------------------------------------

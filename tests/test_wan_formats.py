@@ -2,17 +2,17 @@
 runs it: GGUF (city96/ComfyUI-GGUF's layers, with LoRAs), fp8 stored weights and fp8-scaled checkpoints (with
 LoRAs, their rows bit for bit), ComfyUI's `QuantizedTensor` and block-scaled weights, weights streamed through
 ComfyUI's offload buffers, its fp8 matmul ops; ComfyUI's newer attention layout (q/k/v in containers); other nodes'
-hooks at every level. The helpers and fixtures are tests/test_wan_compat.py's."""
+hooks at every level. The helpers and fixtures are tests/support/wan_runs.py's."""
 from __future__ import annotations
 
 import importlib
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
-from test_wan_compat import MODEL, SIZE, SMALL, SdpaHeads, _fresh_verdicts, env, forward, inputs, rel_err  # noqa: F401
-from test_wan_other_nodes import _hooks
+from support.wan_runs import (MODEL, SIZE, SMALL, SdpaHeads, _fresh_verdicts, env,  # noqa: F401
+                              forward, fp8_wan, inputs, other_node_hooks, rel_err)
 
 pytestmark = pytest.mark.comfyui
 
@@ -24,7 +24,7 @@ def test_gguf_weights_split_and_equal_stock(env, qtype, block):
     """city96/ComfyUI-GGUF layers (`comfy.ops.cast_bias_weight` returns their raw quantized blocks, which
     crashed the pack before): the layer's own dequantized weight, once per layer call, then rows: the head
     split runs and the result equals the stock GGUF model."""
-    import gguf_env
+    from support import gguf_env
     gguf_env.require_gguf()
     base = gguf_env.make_gguf_wan(qtype, "t2v", layers=1)
     heads = base.gguf_dims["heads"]
@@ -43,7 +43,7 @@ def test_gguf_weights_split_and_equal_stock(env, qtype, block):
 def test_gguf_with_a_lora_equals_stock(env, lowvram):
     """A LoRA on GGUF weights rides on the weight (ComfyUI-GGUF applies it when it dequantizes): the pack's
     rows come from that patched weight."""
-    import gguf_env
+    from support import gguf_env
     torch = env.torch
     gguf_env.require_gguf()
     base = gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
@@ -72,28 +72,12 @@ def test_gguf_with_a_lora_equals_stock(env, lowvram):
     assert rel_err(run(patched), stock) <= 1e-5
 
 
-def _fp8_wan(torch):
-    """Tiny Wan stored in fp8_e4m3fn and computed in float32, as ComfyUI's diffusion model loader with
-    `weight_dtype fp8_e4m3fn` makes it (manual-cast ops: each layer casts its weight per call)."""
-    import comfy.model_patcher
-    cls, cfg = comfy_env._wan_config("t2v", MODEL["dim"], MODEL["heads"], MODEL["layers"], None, 32, 1, {})
-    model_config = cls(cfg)
-    model_config.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
-    model = model_config.get_model({}, device=torch.device("cpu"))
-    comfy_env.fill_random_(model.diffusion_model, seed=0)
-    model.eval()
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=torch.device("cpu"),
-                                               offload_device=torch.device("cpu"))
-    patcher.comfy_env_kind = "t2v"
-    return patcher
-
-
 @pytest.mark.parametrize("block", [False, True], ids=["attention", "block"])
 def test_fp8_stored_weights_split_and_equal_stock(env, block):
     """fp8 weights cast per call: the cast weight's rows are exact, so the head split runs (it ran whole
     before) and the result equals stock's."""
     torch = env.torch
-    base = _fp8_wan(torch)
+    base = fp8_wan(torch)
     q = base.model.diffusion_model.blocks[0].self_attn.q
     assert q.weight.dtype == torch.float8_e4m3fn and q.comfy_cast_weights
     size = dict(frames=3, h=64, w=88, steps=1)   # cond + uncond: 2 x 4,224 tokens
@@ -174,13 +158,13 @@ def test_every_level_with_other_nodes_hooks(env, kind):
     stock_calls = []
     hooked = base.clone()
     for name in ("attn1_patch", "double_block"):
-        hooked.set_model_patch(_hooks(torch, stock_calls)[name], name)
+        hooked.set_model_patch(other_node_hooks(torch, stock_calls)[name], name)
     size = dict(SIZE, batch=1)
     reference = forward(base, hooked, kind=kind, **size)
     expected_calls = list(stock_calls)
     if comfy_env.version_tuple() >= (0, 33):   # older Wan code calls neither hook
         assert {name for name, _ in expected_calls} == {"attn1", "double_block"}
-    for level in ("Off", "Low", "Medium", "High"):
+    for level in env.node.LEVELS:
         for block in (False, True):
             del stock_calls[:]
             env.compat.forget_verdicts()
@@ -367,7 +351,7 @@ def test_fp8_stored_weights_with_a_lora_equal_stock(env, lowvram):
     that layer's weight whole, through it). Both equal stock, the split runs, and the unpatched model is
     stock again afterwards."""
     torch = env.torch
-    base = _fp8_wan(torch)
+    base = fp8_wan(torch)
     size = dict(frames=3, h=64, w=88, batch=2, dtype=torch.float32)   # the compute dtype, not the stored one
     plain = forward(base, **size)
     g = torch.Generator().manual_seed(3)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import comfy_env
+from support import comfy_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.comfyui,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a GPU machine)")]
@@ -123,7 +123,7 @@ def test_bounded_block_bf16_close_and_bounded(env):
 
 
 def _sage2_sm90_reason():
-    from test_sage2_gpu import sage2_reason
+    from support.sage2 import sage2_reason
     if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
         return "needs an sm90 GPU (SageAttention 2's staged sm90 core)"
     return sage2_reason()

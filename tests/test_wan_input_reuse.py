@@ -1,6 +1,6 @@
 """The bounded Wan block on a staged core that can reuse its modulated input (`reuse_input`, as SageAttention 2's
 sm90 core does), in the weight formats people load: a real ComfyUI, a tiny Wan, the fake row-tiled core of
-test_input_reuse.py (float copies as its "quantized" forms, so the results must equal stock's).
+tests/support/fake_backends.py (float copies as its "quantized" forms, so the results must equal stock's).
 
 Where the layers compute their projections by token ranges, the self-attention runs in its input (k projected
 once); fp8-scaled layers quantize their input once per layer call for every head group, so their projections do
@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-import comfy_env
-from test_input_reuse import NAME, row_tiled_backend
-from test_wan_compat import forward, rel_err
-from test_wan_formats import _fp8_wan
+from support import comfy_env
+from support.fake_backends import ROWS_NAME as NAME, row_tiled_backend
+from support.wan_runs import forward, rel_err, wan_in_format
 
 pytestmark = pytest.mark.comfyui
 
@@ -43,24 +42,6 @@ def reuse_runs(env, monkeypatch, request):
     env.compat.forget_verdicts()
 
 
-def _model(env, fmt):
-    torch = env.torch
-    if fmt == "float32":
-        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1)
-    if fmt == "bf16":
-        return comfy_env.make_wan("t2v", dim=256, heads=8, layers=1, dtype=torch.bfloat16)
-    if fmt == "fp8":
-        return _fp8_wan(torch)
-    if fmt == "fp8-scaled":
-        import comfy.ops
-        if not hasattr(comfy.ops, "mixed_precision_ops"):
-            pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
-        return comfy_env.make_fp8_scaled_wan("t2v", dim=256, heads=8, layers=1)
-    import gguf_env
-    gguf_env.require_gguf()
-    return gguf_env.make_gguf_wan("Q8_0", "t2v", layers=1)
-
-
 # format: (tolerance against stock, does the self-attention run in its input)
 FORMATS = {"float32": (1e-5, True), "bf16": (2e-2, True), "fp8": (1e-5, True), "gguf": (1e-5, True),
            "fp8-scaled": (1e-2, False)}
@@ -68,7 +49,7 @@ FORMATS = {"float32": (1e-5, True), "bf16": (2e-2, True), "fp8": (1e-5, True), "
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_bounded_block_reuses_its_input_where_the_layers_allow_and_equals_stock(env, reuse_runs, fmt):
-    base = _model(env, fmt)
+    base = wan_in_format(env, fmt)
     tolerance, reused = FORMATS[fmt]
     if fmt == "fp8":   # stored in fp8, computed in float32: sampled as ComfyUI samples it (test_wan_compat)
         size = dict(frames=3, h=64, w=88, steps=1)   # cond + uncond: 2 x 4,224 tokens

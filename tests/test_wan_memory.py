@@ -11,8 +11,8 @@ import importlib
 
 import pytest
 
-import comfy_env
-import working_set_check
+from support import comfy_env
+from support import working_set_check
 
 pytestmark = pytest.mark.comfyui
 
@@ -65,7 +65,7 @@ def format_block(torch, fmt):
         patcher = comfy_env.make_fp8_scaled_wan("t2v", dim=WIDTH, heads=HEADS, layers=1, ffn_dim=FFN,
                                                 text_dim=WIDTH, dtype=torch.bfloat16, input_scale=False)
         return patcher.model.diffusion_model.blocks[0].eval()
-    import gguf_env
+    from support import gguf_env
     gguf_env.require_gguf()
     patcher = gguf_env.make_gguf_wan("Q8_0", "t2v", dim=WIDTH, heads=HEADS, layers=1, ffn_dim=FFN,
                                      text_dim=WIDTH, dtype=torch.bfloat16)
@@ -88,7 +88,7 @@ def test_bounded_block_peak(fmt):
     bounded_forward = wan.bounded_block_forward(block, config)
     tracker_safe = contextlib.nullcontext()
     if fmt.startswith("gguf"):
-        import gguf_env
+        from support import gguf_env
         tracker_safe = gguf_env.under_memory_tracker()
     with torch.no_grad():
         bounded_forward(**inp)   # the self-check, once per process, outside the measurement

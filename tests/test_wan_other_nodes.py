@@ -2,36 +2,22 @@
 `attn2_patch`, `double_block`) and object patches (on a block's self_attn, cross_attn or the block itself) in both
 orders equal stock with the same patches; the node applied twice replaces its own patch; a forced backend says
 an override is unused; gradients run stock; a notice is logged once a run. The helpers and fixtures are
-tests/test_wan_compat.py's."""
+tests/support/wan_runs.py's."""
 from __future__ import annotations
 
 import logging
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
-from test_wan_compat import MODEL, SIZE, SMALL, SdpaHeads, _fresh_verdicts, env, forward, inputs, rel_err  # noqa: F401
+from support.wan_runs import (MODEL, SMALL, _fresh_verdicts, env, forward, inputs,  # noqa: F401
+                              other_node_hooks, rel_err)
 
 pytestmark = pytest.mark.comfyui
 
 
 # --- other nodes' hooks -----------------------------------------------------------------------------------
-def _hooks(torch, calls):
-    def attn1(args):
-        calls.append(("attn1", args["x"].shape[1]))
-        return args["x"] * 0.75 + 0.01
-
-    def attn2(args):
-        calls.append(("attn2", args["x"].shape[1]))
-        return args["x"] * 0.9
-
-    def double_block(args):
-        calls.append(("double_block", args["img"].shape[1]))
-        return {"img": args["img"] * 0.95}
-    return {"attn1_patch": attn1, "attn2_patch": attn2, "double_block": double_block}
-
-
 @pytest.mark.parametrize("hooks", [("attn1_patch",), ("attn2_patch",), ("double_block",),
                                    ("attn1_patch", "attn2_patch", "double_block")],
                          ids=["attn1", "attn2", "double_block", "all"])
@@ -42,11 +28,11 @@ def test_other_nodes_hooks_are_honoured(env, hooks, block):
     stock_calls, ours_calls = [], []
     stock = base.clone()
     for name in hooks:
-        stock.set_model_patch(_hooks(torch, stock_calls)[name], name)
+        stock.set_model_patch(other_node_hooks(torch, stock_calls)[name], name)
     reference = forward(base, stock, **SMALL)
     hooked = base.clone()
     for name in hooks:
-        hooked.set_model_patch(_hooks(torch, ours_calls)[name], name)
+        hooked.set_model_patch(other_node_hooks(torch, ours_calls)[name], name)
     patched, _ = env.node.apply_patch(hooked, "High", "sdpa", block)
     out = forward(base, patched, **SMALL)
     assert rel_err(out, reference) <= 1e-5

@@ -9,7 +9,7 @@ For every node and order: (1) the result equals the node alone on the unpatched 
 ran ComfyUI's own forward, except the block whose part the node replaces (that fallback, with its reason);
 (3) the head split ran (High: one head a group) where the node does not own the self-attention; (4) the node
 acted: its result differs from the run without it, or its own log says what it did. The fixtures are
-tests/test_wan_compat.py's (the split floor lowered so that 4,224 tokens an item split)."""
+tests/support/wan_runs.py's (the split floor lowered so that 4,224 tokens an item split)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +22,9 @@ from typing import Callable, Optional
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
-from test_wan_compat import _fresh_verdicts, env  # noqa: F401
+from support.wan_runs import _fresh_verdicts, env  # noqa: F401
 
 pytestmark = pytest.mark.comfyui
 

@@ -3,7 +3,8 @@
 models it adapts as the node names them, its measured row). The registry feeds the patch loop (`nodes/patching.py`
 tries the adapters in its order: the first that matches a model patches it), the patch node's description
 (`nodes/patch_node.py`), the texts `tests/test_registry_text.py` holds to it and the contract test's cases
-(`tests/family_cases.py` has one case per registered family; `tests/test_family_contract.py` checks that it does).
+(`tests/support/family_cases.py` has one case per registered family; `tests/test_family_contract.py` checks that
+it does).
 
 Adding a family: its module here, one line below and its measured row in `measured.py` (docs/design.md §3.2 lists every file it takes)."""
 from __future__ import annotations

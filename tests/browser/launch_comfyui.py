@@ -1,4 +1,4 @@
-"""Run a ComfyUI checkout's main.py (the real server) with tests/comfy_env.py's import stubs.
+"""Run a ComfyUI checkout's main.py (the real server) with tests/support/comfy_env.py's import stubs.
 
     python3 tests/browser/launch_comfyui.py COMFYUI_ROOT [main.py arguments ...]
 
@@ -19,14 +19,14 @@ def main(argv):
         print(__doc__, file=sys.stderr)
         return 2
     root = Path(argv[0]).resolve()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # tests/: comfy_env
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # tests/: support.comfy_env
     # comfy_env sets ComfyUI up for import when it is imported (the tests' in-process use); that would import
     # comfy.cli_args before main.py enables argument parsing. Point it at no checkout while importing it, so
     # its set-up does nothing, and use only its stubs.
     saved = os.environ.get("COMFYUI_PATH")
     os.environ["COMFYUI_PATH"] = os.devnull
     try:
-        import comfy_env
+        from support import comfy_env
     finally:
         if saved is None:
             del os.environ["COMFYUI_PATH"]

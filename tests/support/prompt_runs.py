@@ -12,7 +12,7 @@ from pathlib import Path
 
 def setup():
     """ComfyUI set up (`comfy_env.setup`), imported when first needed (see `tiny_wan.setup`)."""
-    import comfy_env
+    from support import comfy_env
     comfy_env.setup()
 
 def load_custom_node(path, ignore=()):

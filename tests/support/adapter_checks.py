@@ -1,16 +1,14 @@
 """Test helper: what the adapter tests of the families share (tests/test_<family>_adapter.py): a tiny model from
 ComfyUI's own config class, the patched model against stock at every level, and a bounded block's MemTracker
-peak against ComfyUI's own block and the planner's working set. Imported as ``import adapter_checks`` (tests/ is
-on sys.path)."""
+peak against ComfyUI's own block and the planner's working set. Imported as ``from support import adapter_checks``
+(tests/ is on sys.path)."""
 from __future__ import annotations
 
 import importlib
 from typing import Callable, Optional
 
-import comfy_env
-import working_set_check
-
-LEVELS = ("Off", "Low", "Medium", "High")
+from support import comfy_env
+from support import working_set_check
 
 
 def tiny_patcher(config_class: str, config: dict, dtype=None, seed: int = 0):
@@ -37,7 +35,7 @@ def check_every_level(env, base, inputs: dict, heads: int, patched_counts: Calla
     torch = env.torch
     reference = comfy_env.model_forward(base, inputs)
     groups = groups or (lambda level: env.core.group_count(heads, 10**6, level, split_floor_tokens=0))
-    for level in LEVELS:
+    for level in env.node.LEVELS:
         for block in (False, True):
             patched, report = env.node.apply_patch(base, level, "sdpa", block)
             assert not report.skipped_reasons, report.lines()
@@ -47,7 +45,7 @@ def check_every_level(env, base, inputs: dict, heads: int, patched_counts: Calla
                 out = comfy_env.model_forward(base, inputs, applied=patched)
             assert not comfy_env.stock_fallbacks(env), (level, block)
             assert comfy_env.rel_err(out, reference) <= tolerance, (level, block, comfy_env.rel_err(out, reference))
-            count = groups(LEVELS.index(level))
+            count = groups(env.node.LEVELS.index(level))
             assert heads // count in spy.self_heads, (level, spy.self_heads)   # the split really ran
     assert comfy_env.rel_err(comfy_env.model_forward(base, inputs), reference) == 0
 
@@ -77,4 +75,4 @@ def check_block_peak(env, adapter, block, inputs: dict, x: str, heads: int, toke
     return ratio_bounded
 
 
-__all__ = ["LEVELS", "tiny_patcher", "check_every_level", "check_block_peak"]
+__all__ = ["tiny_patcher", "check_every_level", "check_block_peak"]

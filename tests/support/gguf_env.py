@@ -1,6 +1,6 @@
 """Test helper: tiny random-weight Wan models with GGUF-quantized weights, through the real ComfyUI-GGUF pack.
 
-Imported by the tests as ``import gguf_env`` (next to ``comfy_env``). Nothing of city96/ComfyUI-GGUF is copied
+Imported by the tests as ``from support import gguf_env``. Nothing of city96/ComfyUI-GGUF is copied
 here: its folder is found at run time and imported under a private package name; the quantized bytes come from
 the ``gguf`` PyPI package (``gguf.quants.quantize``) or, for the K-quants that package cannot quantize, from the
 small reference packers below (checked against ``gguf.quants.dequantize``).
@@ -55,7 +55,7 @@ import tempfile
 import types
 from pathlib import Path
 
-import comfy_env
+from support import comfy_env
 
 ENV_VAR = "COMFYUI_GGUF_PATH"
 PACK_DIR_NAME = "ComfyUI-GGUF"
@@ -490,7 +490,7 @@ def under_memory_tracker():
 
 
 # --------------------------------------------------------------------------------------------------
-# Any family in a GGUF file's mix of types: tests/gguf_files.py (reachable here)
+# Any family in a GGUF file's mix of types: tests/support/gguf_files.py (reachable here)
 # --------------------------------------------------------------------------------------------------
 
-from gguf_files import K_QUANT_FALLBACK, as_gguf_file_mix, f16_tensor  # noqa: E402,F401
+from support.gguf_files import K_QUANT_FALLBACK, as_gguf_file_mix, f16_tensor  # noqa: E402,F401

@@ -1,6 +1,6 @@
 """Test helper: a test's work on several CPU processes at once (torch.multiprocessing spawn, gloo, a file
 rendezvous), each rank's result handed back as JSON. Imported by the sequence-parallel tests as
-``import gloo_ranks`` (tests/ is on sys.path)."""
+``from support import gloo_ranks`` (tests/ is on sys.path)."""
 from __future__ import annotations
 
 import json

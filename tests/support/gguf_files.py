@@ -3,8 +3,8 @@ types where a layer's rows do not split into 256-blocks, or city96's F16 files),
 and ComfyUI-GGUF's own layers. Reachable as ``gguf_env.as_gguf_file_mix``."""
 from __future__ import annotations
 
-from gguf_env import (block_size, f32_tensor, pack_module, qtype_enum, quantize_tensor, rebuilt_gguf_patcher,
-                      require_gguf)
+from support.gguf_env import (block_size, f32_tensor, pack_module, qtype_enum, quantize_tensor,
+                              rebuilt_gguf_patcher, require_gguf)
 
 
 # The type llama.cpp's quantizer stores a tensor in when its rows do not split into the K-quant's 256-blocks

@@ -1,7 +1,7 @@
 """Test helper: find and import a real ComfyUI checkout and load node packs (tiny Wan models: `tiny_wan.py`).
 
-Imported by the tests as ``import comfy_env`` (pytest puts ``tests/`` on ``sys.path``; tests/ has no
-``__init__.py``). Nothing here is ComfyUI code: it only imports ComfyUI from a checkout found at run time.
+Imported by the tests as ``from support import comfy_env`` (pytest puts ``tests/`` on ``sys.path``; tests/ has
+no ``__init__.py``). Nothing here is ComfyUI code: it only imports ComfyUI from a checkout found at run time.
 
 Where ComfyUI is looked for (``find_comfyui``; one pytest process imports one ComfyUI):
   1. ``$COMFYUI_PATH`` (with several roots separated by ``os.pathsep``, ``:``, the first one);
@@ -11,13 +11,13 @@ Where ComfyUI is looked for (``find_comfyui``; one pytest process imports one Co
 Tests call ``require_comfyui()``, which skips the test with a reason when ComfyUI is missing or fails to import.
 
 Which roots ``scripts/test`` runs pytest against, one process each (``comfyui_roots``; printed by
-``python3 tests/comfy_env.py roots``, one per line):
+``python3 tests/support/comfy_env.py roots``, one per line):
   * ``$COMFYUI_PATH`` set: its entries, in order (duplicates dropped);
   * otherwise the root ``find_comfyui`` finds (2. or 3. above), then the extra roots: ``$QKV_EXTRA_COMFYUI``
     (``os.pathsep``-separated; set it empty for none) or, when that is unset, ``~/ComfyUI-0.8.0`` if it is a
     checkout (``DEFAULT_EXTRA_COMFYUI``).
 The first root gets the whole suite, each further one only the tests marked ``comfyui``.
-``python3 tests/comfy_env.py missing FILE`` prints the requirements of FILE that the running interpreter does
+``python3 tests/support/comfy_env.py missing FILE`` prints the requirements of FILE that the running interpreter does
 not satisfy (scripts/test skips pip when there are none).
 
 Import set-up (``setup()``, idempotent, run by ``require_comfyui``):
@@ -51,9 +51,13 @@ import sys
 import types
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Unresolved too: a pack installed as a symlink ComfyUI/custom_nodes/<pack> -> checkout resolves elsewhere.
-_REPO_ROOT_AS_SEEN = Path(os.path.abspath(__file__)).parents[1]
+_REPO_ROOT_AS_SEEN = Path(os.path.abspath(__file__)).parents[2]
+TESTS = Path(__file__).resolve().parents[1]
+
+if __name__ == "__main__" and str(TESTS) not in sys.path:   # run as a script: the `support` imports below
+    sys.path.insert(0, str(TESTS))
 
 _state = {"root": None, "error": None, "done": False}
 
@@ -176,8 +180,8 @@ def _not_found_reason():
 # Import set-up
 # --------------------------------------------------------------------------------------------------
 
-# Stubs of packages ComfyUI imports that may be missing here: tests/import_stubs.py
-from import_stubs import STUBBABLE, StubUsed, install_stub, install_torchvision_stub  # noqa: E402,F401
+# Stubs of packages ComfyUI imports that may be missing here: tests/support/import_stubs.py
+from support.import_stubs import STUBBABLE, StubUsed, install_stub, install_torchvision_stub  # noqa: E402,F401
 
 
 def _module_root(mod):
@@ -284,14 +288,14 @@ def require_comfyui():
 
 
 def run_interpreted(script: str, timeout: int = 600) -> str:
-    """`script` (Python source; `{tests}` in it becomes this folder) run in a child process under Triton's CPU
-    interpreter (TRITON_INTERPRET must be set before Triton is imported): its standard output. Skips without
-    Triton or ComfyUI; fails with the end of the child's error output when it fails."""
+    """`script` (Python source; `{tests}` in it becomes tests/, the folder above this one) run in a child process
+    under Triton's CPU interpreter (TRITON_INTERPRET must be set before Triton is imported): its standard output.
+    Skips without Triton or ComfyUI; fails with the end of the child's error output when it fails."""
     import subprocess
     import pytest
     pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
     require_comfyui()
-    done = subprocess.run([sys.executable, "-c", script.format(tests=str(Path(__file__).resolve().parent))],
+    done = subprocess.run([sys.executable, "-c", script.format(tests=str(TESTS))],
                           capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TRITON_INTERPRET="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -442,23 +446,23 @@ def _pack_dir(module):
 
 
 
-# Loading node packs and running prompts through ComfyUI's executor: tests/prompt_runs.py
-from prompt_runs import (StubServer, execution_error, load_custom_node, make_executor,  # noqa: E402,F401
-                             run_prompt)
+# Loading node packs and running prompts through ComfyUI's executor: tests/support/prompt_runs.py
+from support.prompt_runs import (StubServer, execution_error, load_custom_node, make_executor,  # noqa: E402,F401
+                                 run_prompt)
 
 
 # --------------------------------------------------------------------------------------------------
-# Tiny Wan models, forwards and comparisons: tests/tiny_wan.py (reachable here, as the tests call them)
+# Tiny Wan models, forwards and comparisons: tests/support/tiny_wan.py (reachable here, as the tests call them)
 # --------------------------------------------------------------------------------------------------
 
-from tiny_wan import (FP8_LAYOUTS, WAN_KINDS, fill_random_, fp8_cast_per_call_, fresh, latent_channels,  # noqa: E402,F401
-                          lines_of_kind, logged_of_kind, make_conds, make_fp8_scaled_wan, make_inputs, make_wan,
-                          model_forward, n_tokens, rel_err, run_sample, stock_fallbacks, weights_forward,
-                          _as_scaled_fp8_file, _wan_config)
+from support.tiny_wan import (FP8_LAYOUTS, WAN_KINDS, fill_random_, fp8_cast_per_call_, fresh,  # noqa: E402,F401
+                              latent_channels, lines_of_kind, logged_of_kind, make_conds, make_fp8_scaled_wan,
+                              make_inputs, make_wan, model_forward, n_tokens, rel_err, run_sample, stock_fallbacks,
+                              weights_forward, _as_scaled_fp8_file, _wan_config)
 
 
 # --------------------------------------------------------------------------------------------------
-# Command line (scripts/test): `python3 tests/comfy_env.py roots` / `missing FILE`; imports nothing of ComfyUI
+# Command line (scripts/test): `python3 tests/support/comfy_env.py roots` / `missing FILE`; imports nothing of ComfyUI
 # --------------------------------------------------------------------------------------------------
 
 def _main(argv):
@@ -470,7 +474,7 @@ def _main(argv):
         for line in unsatisfied_requirements(argv[1]):
             print(line)
         return 0
-    print("usage: python3 tests/comfy_env.py roots | missing REQUIREMENTS_FILE", file=sys.stderr)
+    print("usage: python3 tests/support/comfy_env.py roots | missing REQUIREMENTS_FILE", file=sys.stderr)
     return 2
 
 

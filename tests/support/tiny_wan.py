@@ -12,9 +12,9 @@ WAN_KINDS = ("t2v", "i2v", "wan22_5b", "vace", "camera")
 
 
 def setup():
-    """ComfyUI set up (`comfy_env.setup`), imported when first needed: `python3 tests/comfy_env.py` (scripts/test's
-    queries) imports this module and nothing of ComfyUI."""
-    import comfy_env
+    """ComfyUI set up (`comfy_env.setup`), imported when first needed: `python3 tests/support/comfy_env.py`
+    (scripts/test's queries) imports this module and nothing of ComfyUI."""
+    from support import comfy_env
     comfy_env.setup()
 
 def n_tokens(frames, h, w, patch=(1, 2, 2)):

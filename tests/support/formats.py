@@ -1,7 +1,7 @@
 """Test helper: any family's tiny model (a ModelPatcher built from ComfyUI's own config class, e.g. by
-tests/family_cases.py) rebuilt in the weight formats users load, the way ComfyUI's loaders build them.
+tests/support/family_cases.py) rebuilt in the weight formats users load, the way ComfyUI's loaders build them.
 
-Imported as ``import formats`` (next to ``comfy_env``). ``in_format(patcher, name)`` returns a new ModelPatcher of
+Imported as ``from support import formats``. ``in_format(patcher, name)`` returns a new ModelPatcher of
 the same weights (the float32 model's state dict) in format ``name`` (``FORMATS``):
 
   * ``bf16``, ``fp16``: every weight in that dtype, computed in it (``model_config.set_inference_dtype``);
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple, Optional
 
-import comfy_env
+from support import comfy_env
 
 FORMATS = ("bf16", "fp16", "fp8_cast", "fp8_scaled", "fp8_scaled_file", "int8_tensorwise", "gguf_q8_0",
            "gguf_q4_k")
@@ -72,7 +72,7 @@ def unsupported(name: str, device="cpu") -> Optional[str]:
             if not hasattr(comfy.utils, "convert_old_quants"):
                 return "this ComfyUI has no convert_old_quants (scaled_fp8 files load another way)"
     if name in GGUF:
-        import gguf_env
+        from support import gguf_env
         try:
             gguf_env.require_gguf()
         except BaseException as error:   # noqa: BLE001 - pytest's Skipped is a BaseException
@@ -187,7 +187,7 @@ def in_format(patcher, name: str, device="cpu"):
             raise RuntimeError(f"{name}: {len(keys) - len(held)} of {len(keys)} block weights did not load "
                                f"quantized (e.g. {sorted(set(keys) - set(held))[:2]})")
     else:
-        import gguf_env
+        from support import gguf_env
         out = gguf_env.as_gguf_file_mix(patcher, GGUF[name])
         keys = list(out.gguf_keys)
     if fmt.quantized and not keys:

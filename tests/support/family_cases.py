@@ -12,7 +12,7 @@ from typing import Callable, NamedTuple, Optional
 
 import pytest
 
-import comfy_env
+from support import comfy_env
 
 
 class Case(NamedTuple):

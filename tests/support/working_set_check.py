@@ -1,9 +1,12 @@
 """Test helper: the planner's working-set estimate (an adapter's `SPEC.measured.working_sets`, nodes/families/measured.py) against the
-peaks a memory test measured with MemTracker. Imported by the adapters' memory tests as
-``import working_set_check`` (tests/ is on sys.path)."""
+peaks a memory test measured with MemTracker, and the pack's module that measures them (`measurement_module`).
+Imported by the adapters' memory tests as
+``from support import working_set_check`` (tests/ is on sys.path)."""
 from __future__ import annotations
 
 import importlib
+
+import pytest
 
 TOLERANCE = 0.15   # issue 13: estimates within 15% of the CPU MemTracker runs
 
@@ -21,3 +24,13 @@ def assert_estimates(pack, adapter, kind: str, kv_heads: int, tokens: int, ratio
         assert abs(estimate - measured) <= TOLERANCE * measured, (
             f"{adapter.FAMILY} {kind} block ({what}): the planner estimates {estimate:.2f} x |x|, "
             f"MemTracker measured {measured:.2f}")
+
+
+def measurement_module(pack):
+    """`benchmarks.memory` (qkv_core/memory.py before the benchmarks moved out of the runtime)."""
+    for name in ("benchmarks.memory", "qkv_core.memory"):
+        try:
+            return importlib.import_module(f"{pack.__name__}.{name}")
+        except ImportError:
+            continue
+    pytest.skip("no memory-measurement module (benchmarks/memory.py)")
