@@ -22,18 +22,7 @@ MODEL = dict(dim=256, heads=8, layers=1)
 SIZE = dict(frames=3, h=64, w=88, batch=2)   # 2 x 4,224 tokens: split (the floor is lowered below)
 
 
-@pytest.fixture(scope="module")
-def env():
-    with comfy_env.split_floor_tokens(comfy_env.pack_modules(), 2048) as modules:
-        yield modules
-
-
-@pytest.fixture(autouse=True)
-def _fresh_verdicts(env):
-    env.compat.forget_verdicts()
-    env.core.reset_notices()
-    yield
-    env.compat.forget_verdicts()
+from support.wan_runs import _fresh_verdicts, env   # noqa: E402,F401 - the lowered floor, fresh verdicts
 
 
 def _noisy(torch, exact, update, share, seed):
