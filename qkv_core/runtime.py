@@ -5,7 +5,7 @@ holds the only references and frees each input as soon as the projections no lon
 kept after a call returns.
 
 Inference only: under grad mode, every entry point refuses an input, a projection's weight, a prefix or a mask
-that requires grad with a `ValueError` naming the fix (`validation.refuse_autograd`: `torch.no_grad()`,
+that requires grad with a `ValueError` naming the fix (`autograd_guard.refuse_autograd`: `torch.no_grad()`,
 `torch.inference_mode()`, or the model's own attention for training); one `torch.is_grad_enabled()` otherwise.
 
 Layout: activations `(batch, tokens, features)` (or `(tokens, features)`, taken as batch 1); q/k/v of a
@@ -38,7 +38,8 @@ from .prefix_join import prefix_tokens, resolve_prefix
 from .input_reuse import reuse_reason, run_in_input
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
-from .validation import (hand_off, peek_activation, refuse_autograd, require_projections, unpack_stream,
+from .autograd_guard import refuse_autograd
+from .validation import (hand_off, peek_activation, require_projections, unpack_stream,
                          validate_call, validate_extras, validate_kv_first, validate_mask,
                          validate_native_prefix_core, validate_prefix)
 

@@ -39,7 +39,8 @@ from .head_split import HeadGroup, SplitPolicy, head_groups
 from .statistics import mean_squares
 from .streams import CallStreams, TokenStream
 from .tally import count_split
-from .validation import (hand_off, peek_activation, refuse_autograd, require_projections, validate_backend_name,
+from .autograd_guard import refuse_autograd
+from .validation import (hand_off, peek_activation, require_projections, validate_backend_name,
                          validate_callables, validate_heads, validate_inputs, validate_layer_input,
                          validate_softmax_scale, validate_split_options, validate_switches, validate_widths)
 
