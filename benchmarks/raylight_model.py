@@ -34,8 +34,8 @@ import torch.distributed as dist
 import comfy.patcher_extension
 
 from ..nodes.patching import apply_patch
-from .wan_model import (GiB, WAN_14B, free_everything, load_model, plan_for_card, sample_once, search_frames,
-                        wan_state_dict)
+from .wan_model import GiB, free_everything, plan_for_card, sample_once, search_frames
+from .wan_weights import WAN_14B, load_model, wan_state_dict
 
 METHODS = ("raylight", "raylight + pack")
 TINY = dict(WAN_14B, dim=256, ffn_dim=512, num_heads=8, num_layers=2)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench --comfyui PATH --report-check [--layers 8] [--sizes 832x480,1280x720] [--frames 81]
 
-A Wan 2.x 14B cut to `--layers` blocks (random bf16 weights, `benchmarks/wan_model.py`'s state dict and loader),
+A Wan 2.x 14B cut to `--layers` blocks (random bf16 weights, `benchmarks/wan_weights.py`: its state dict and loader),
 sampled 2 steps at cfg 5 through ComfyUI's model management: stock, then patched (High, block bounds, auto).
 Prints each run's peak VRAM and seconds per step, and the patched run's report (as the node shows it). About
 two minutes on an H200. Loaded by `benchmarks/bench.py` inside the package it makes for the pack. Not part of
@@ -20,6 +20,7 @@ from ..nodes import patching
 # `from . import wan_model` would find the process's own `benchmarks` package (bench.py shares it): the
 # workload module is imported inside the package bench.py makes for the pack, as bench.py itself does.
 wan_model = importlib.import_module(__name__.rsplit(".", 1)[0] + ".wan_model")
+wan_weights = importlib.import_module(__name__.rsplit(".", 1)[0] + ".wan_weights")
 
 GiB = 2 ** 30
 
@@ -38,8 +39,8 @@ def main(argv=None) -> int:
     send = patching.send_to_ui
     patching.send_to_ui = lambda event, payload: sent.append(payload) or True
     try:
-        config = dict(wan_model.WAN_14B, num_layers=args.layers)
-        base = wan_model.load_model("bf16", wan_model.wan_state_dict("bf16", config, torch.device("cuda")), False)
+        config = dict(wan_weights.WAN_14B, num_layers=args.layers)
+        base = wan_weights.load_model("bf16", wan_weights.wan_state_dict("bf16", config, torch.device("cuda")), False)
         for size in (tuple(int(v) for v in text.split("x")) for text in args.sizes.split(",")):
             stock = wan_model.sample_once(base, args.frames, size, 2, 5.0, False, config["text_dim"])
             patched, _ = patching.apply_patch(base, "High", "auto", True, node_id="report-check")

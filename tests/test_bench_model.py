@@ -97,12 +97,13 @@ def test_both_fp8_scaled_file_layouts_load_as_quantized_weights(bench):
     import comfy.ops
     if not hasattr(comfy.ops, "mixed_precision_ops"):
         pytest.skip("this ComfyUI has no mixed-precision (fp8-scaled) ops")
-    config = dict(bench.WAN_14B, dim=256, ffn_dim=512, num_heads=2, num_layers=1, text_dim=64)
+    wan_weights = importlib.import_module(bench.__name__.rsplit(".", 1)[0] + ".wan_weights")
+    config = dict(wan_weights.WAN_14B, dim=256, ffn_dim=512, num_heads=2, num_layers=1, text_dim=64)
     weights = []
-    for fmt in (bench.FP8_SCALED, bench.FP8_SCALED_FILE):
-        sd = bench.wan_state_dict(fmt, config, torch.device("cpu"))
-        assert ("scaled_fp8" in sd) == (fmt == bench.FP8_SCALED_FILE)
-        model = bench.load_model(fmt, sd, dynamic=False).model.diffusion_model
+    for fmt in (wan_weights.FP8_SCALED, wan_weights.FP8_SCALED_FILE):
+        sd = wan_weights.wan_state_dict(fmt, config, torch.device("cpu"))
+        assert ("scaled_fp8" in sd) == (fmt == wan_weights.FP8_SCALED_FILE)
+        model = wan_weights.load_model(fmt, sd, dynamic=False).model.diffusion_model
         weight = model.blocks[0].self_attn.q.weight
         assert type(weight).__name__ == "QuantizedTensor", (fmt, type(weight))
         weights.append(weight.dequantize())
