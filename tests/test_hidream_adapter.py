@@ -217,9 +217,9 @@ def test_bounded_block_peak():
     assert compat.compare(stock.result, bounded.result, base, routed=True) is None
     # a token whose error is far above the others' took another expert: round-off moved it across a routing tie, so
     # it is one of the few whose gate scores its k-th and next expert nearly alike (the 1 % smallest gaps, from
-    # stock's run). Every other token differs by round-off (measured: 1 of 12,288 tokens rerouted, the others within
-    # 7.9e-3 of the output's largest value; 5.2e-3 where the experts' inputs took the block's three roundings:
-    # `hidream_moe.ModulatedNorm` rounds once).
+    # stock's run). Every other token differs by round-off, at most two bf16 steps (2 x 2^-7) of the output's largest
+    # value (measured: 0-1 of 12,288 tokens rerouted, the others within 7.9e-3 to 1.05e-2 as the CPU's kernels round;
+    # 5.2e-3 where the experts' inputs took the block's three roundings: `hidream_moe.ModulatedNorm` rounds once).
     gap = torch.cat(gaps)
     near_tie = gap <= gap.quantile(0.01)
     ours, theirs = bounded.result[0].float(), stock.result[0].float()
@@ -230,7 +230,7 @@ def test_bounded_block_peak():
           f"tokens, all near a routing tie: {bool(near_tie[rerouted].all())}; the other tokens' max difference "
           f"{rest:.2e} of the output's largest value")
     assert bool(near_tie[rerouted].all())
-    assert float(rerouted.float().mean()) <= 0.01 and rest <= 1e-2
+    assert float(rerouted.float().mean()) <= 0.01 and rest <= 2 * 2 ** -7
 
 
 def moe_setup(torch, dtype, batch=2, tokens=1536, width=256, top_k=2, weights=None, manual_cast=False, seed=0):
