@@ -5,6 +5,7 @@ so pytest would collect the root as a package and import that file before any te
 ComfyUI. The plugin below collects the root as a plain directory instead (registered as a plugin, not a
 conftest hook, because conftest hooks do not apply to directories above this one).
 """
+import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,10 @@ def pytest_configure(config):
                                        "(skipped without Playwright, Chromium or the frontend package)")
     if not config.pluginmanager.has_plugin("qkv-root-as-plain-directory"):
         config.pluginmanager.register(_RootAsPlainDirectory(), "qkv-root-as-plain-directory")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:   # an xdist worker: its share of the cores (torch's default, every core each, oversubscribes)
+        import torch
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(autouse=True)

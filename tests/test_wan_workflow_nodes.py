@@ -16,7 +16,6 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -212,18 +211,6 @@ CASES = [
     Case("WanVideoEnhanceAVideoKJ", kj_enhance, owns="self_attn"),
     Case("SkipLayerGuidanceWanVideo", kj_slg, raises="currently SkipLayerGuidanceWanVideo only works with TeaCacheKJ"),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads_per_worker():
-    """Under pytest-xdist, each worker's share of the cores (restored after): 2 workers of 2 threads each on 2
-    cores ran this file in 4:12, twice its time in one process."""
-    import torch
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    saved = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
