@@ -375,8 +375,17 @@ def guarded(what: str, stock: Callable, ours: Callable, refuse: Callable, check:
             return stock(*args, **kwargs)
         return run_ours(*args, **kwargs)
 
-    return mark_ours(torch.compiler.disable(forward, recursive=False,
-                                            reason="QKV: one code object for every block's guard"))
+    installed = mark_ours(torch.compiler.disable(forward, recursive=False,
+                                                 reason="QKV: one code object for every block's guard"))
+    installed.comfyui_qkv_decide = decide
+    return installed
+
+
+def decide_call(forward: Callable, *args, **kwargs) -> Optional[str]:
+    """What a call of `forward` (a `guarded` forward) decides before it computes: its guards and, at the first call
+    of its kind, the self-check (cached as that call's would be). None when the pack's forward would run, else
+    "stock". Nothing of the forward itself runs: a measurement can start with the verdict already cached."""
+    return forward.comfyui_qkv_decide(args, kwargs)
 
 
 # --- guarding one module's forward: what every family adapter shares -------------------------------------
@@ -484,7 +493,7 @@ def guard_module(what: str, module, names, ours_factory, config, *, functions: C
     return guarded(what, stock, ours, refuse, check, agree_call if agree is not None else None)
 
 
-__all__ = ["guarded", "guard_module", "self_check", "known_verdict", "compare", "compare_exact", "exact_reference",
+__all__ = ["guarded", "decide_call", "guard_module", "self_check", "known_verdict", "compare", "compare_exact", "exact_reference",
            "probe_options", "check_items", "uniform_case", "CHECK_ITEMS",
            "mark_ours", "is_ours", "stock_forward", "foreign_forward", "forget_verdicts", "all_checked",
            "check_tokens", "CHECK_TOKENS", "ROUTED_SHARE", "bind_args", "unknown_args", "layers_signature",

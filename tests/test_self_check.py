@@ -155,3 +155,38 @@ def test_the_reference_leaves_every_layers_cast_flags_as_they_were(env):
     assert flags() == expected
     assert {name: set(layer.__dict__) for name, layer in block.named_modules()} == \
         {name: set(state) for name, state in before.items()}
+
+
+def test_deciding_a_call_runs_its_check_not_its_forward(env, monkeypatch):
+    """`compat.decide_call`: a call's guards and self-check without the forward (how a measurement starts with the
+    verdict cached): None for a self-attention that passes, with no attention longer than the check's tokens run
+    and the verdict kept; "stock" under gradients and for a planted change of ComfyUI's math."""
+    torch = env.torch
+    import comfy.ldm.wan.model as wan_model
+    import comfy.ops
+    from comfy.ldm.flux.layers import EmbedND
+    settings = {"operations": comfy.ops.disable_weight_init, "device": torch.device("cpu"), "dtype": torch.float32}
+    module = wan_model.WanSelfAttention(64, 4, qk_norm=True, operation_settings=settings)
+    comfy_env.fill_random_(module, seed=0)
+    ids = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(16), torch.arange(16), indexing="ij"),
+                      dim=-1).reshape(1, -1, 3).float()
+    freqs = EmbedND(dim=16, theta=10000.0, axes_dim=[8, 4, 4])(ids).movedim(1, 2)
+    x = torch.randn(1, 512, 64, generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        return env.wan.self_attention_forward(module, env.node.QKVConfig(3, "sdpa", False))
+
+    patched = forward()
+    with torch.no_grad(), comfy_env.SdpaHeads(torch) as spy:
+        assert env.compat.decide_call(patched, x, freqs) is None
+    assert spy.heads and spy.self_tokens == []   # the check's 256 tokens ran, the call's 512 did not
+    with torch.no_grad(), comfy_env.SdpaHeads(torch) as spy:
+        patched(x, freqs)
+    assert spy.self_tokens and len(spy.heads) == len(spy.self_tokens)   # the call's attention only: checked before
+    with torch.enable_grad():
+        assert env.compat.decide_call(forward(), x, freqs) == "stock"
+    compat_tests = importlib.import_module("test_wan_compat")
+    monkeypatch.setattr(wan_model.WanSelfAttention, "forward",
+                        compat_tests._rewritten_self_attention(torch, wan_model, scale_q=1.25))
+    with torch.no_grad():
+        assert env.compat.decide_call(forward(), x, freqs) == "stock"
