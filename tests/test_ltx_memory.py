@@ -77,7 +77,7 @@ def test_bounded_block_peak(rope_type):
     live = [block, list(inputs.values()), x_stock, x_bounded]
     with torch.no_grad():
         core.reset_notices()
-        bounded_forward(**{**rest, "x": inputs["x"].clone()})   # the self-check, outside the measurement
+        working_set_check.check_first_call(pack, bounded_forward, **inputs)   # outside the measurement
         assert not comfy_env.lines_of_kind(core.drain_notices(), core.notices.FALLBACK, core.notices.SHORT_CALL)
         stock = memory.measure_peak(block, x=x_stock, **rest, live=live)
         bounded = memory.measure_peak(bounded_forward, x=x_bounded, **rest, live=live)

@@ -62,7 +62,7 @@ def check_block_peak(env, adapter, block, inputs: dict, x: str, heads: int, toke
     bounded_forward = adapter.block_forward(block, adapter.SPEC.configure(env.node.QKVConfig(3, "sdpa", True)))
     with torch.no_grad():
         env.core.reset_notices()
-        bounded_forward(**env.compat.fresh_inputs(inputs))
+        working_set_check.check_first_call(env.pack, bounded_forward, **inputs)   # outside the measurement
         assert not comfy_env.stock_fallbacks(env)
         stock = memory.measure_peak(block, **inputs, live=live)
         bounded = memory.measure_peak(bounded_forward, **inputs, live=live)

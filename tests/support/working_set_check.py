@@ -34,3 +34,11 @@ def measurement_module(pack):
         except ImportError:
             continue
     pytest.skip("no memory-measurement module (benchmarks/memory.py)")
+
+
+def check_first_call(pack, forward, *args, **kwargs) -> None:
+    """Run the guards and the self-check of `forward`'s first call on these inputs (`compat.decide_call`), not
+    the forward itself: the measurement that follows starts with the verdict cached. Fails where the call would
+    run ComfyUI's own forward."""
+    compat = importlib.import_module(f"{pack.__name__}.nodes.compat")
+    assert compat.decide_call(forward, *args, **kwargs) is None, "the call would run ComfyUI's own forward"
