@@ -1,6 +1,6 @@
 """One tiny random-weight model per adapted family, built from ComfyUI's own config classes, for the contract test
-(tests/test_family_contract.py). Each case's forward is two batch items (cond + uncond) of 4,096+ tokens each; the
-contract test lowers the runtime's split floor (8,192 tokens of one item) to 4,096, so the head split runs as on
+(tests/test_family_contract.py). Each case's forward is two batch items (cond + uncond) of 1,024+ tokens each; the
+contract test lowers the runtime's split floor (8,192 tokens of one item) to 1,024, so the head split runs as on
 real sizes.
 
 A case: `build()` -> `Case` with the ModelPatcher, fresh forward inputs of its diffusion model, the key of one
@@ -75,7 +75,7 @@ def flux() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timestep=torch.tensor([0.7, 0.7]),
+        return dict(x=torch.randn(2, 16, 64, 64, generator=g), timestep=torch.tensor([0.7, 0.7]),
                     context=torch.randn(2, 12, 32, generator=g), y=torch.randn(2, 32, generator=g))
 
     def conds():
@@ -83,7 +83,7 @@ def flux() -> Case:
         return ([[torch.randn(1, 12, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]],
                 [[torch.randn(1, 12, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]])
     return Case(patcher, inputs, "diffusion_model.double_blocks.0.img_attn.qkv.weight",
-                torch.zeros(1, 16, 128, 128), conds, 4)
+                torch.zeros(1, 16, 64, 64), conds, 4)
 
 
 HUNYUAN_VIDEO = {"image_model": "hunyuan_video", "in_channels": 16, "out_channels": 16, "vec_in_dim": 32,
@@ -94,7 +94,7 @@ HUNYUAN_VIDEO = {"image_model": "hunyuan_video", "in_channels": 16, "out_channel
 
 def hunyuan_video() -> Case:
     """HunyuanVideo 1.0 with a text padding mask (its `attention_mask`: the last text tokens are padding; the
-    model takes one mask for the batch, so the forward is one item of 8,192 tokens and sampling goes without)."""
+    model takes one mask for the batch, so the forward is one item of 2,048 tokens and sampling goes without)."""
     import inspect
     import torch
     import comfy.ldm.hunyuan_video.model as hunyuan_model
@@ -114,7 +114,7 @@ def hunyuan_video() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        out = dict(x=torch.randn(1, 16, 2, 64, 256, generator=g), timestep=torch.tensor([700.0]),
+        out = dict(x=torch.randn(1, 16, 2, 32, 128, generator=g), timestep=torch.tensor([700.0]),
                    context=torch.randn(1, 16, 32, generator=g), y=torch.randn(1, 32, generator=g))
         if takes_mask:
             out["attention_mask"] = text_mask(1)
@@ -126,7 +126,7 @@ def hunyuan_video() -> Case:
         return ([[torch.randn(1, 16, 32, generator=g), dict(extra)]],
                 [[torch.randn(1, 16, 32, generator=g), dict(extra)]])
     return Case(patcher, inputs, "diffusion_model.double_blocks.0.img_attn.qkv.weight",
-                torch.zeros(1, 16, 2, 64, 128), conds, 4)
+                torch.zeros(1, 16, 2, 32, 64), conds, 4)
 
 
 QWEN_IMAGE = {"image_model": "qwen_image", "patch_size": 2, "in_channels": 64, "out_channels": 16,
@@ -161,7 +161,7 @@ def lumina2() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timesteps=torch.tensor([0.6, 0.6]),
+        return dict(x=torch.randn(2, 16, 64, 64, generator=g), timesteps=torch.tensor([0.6, 0.6]),
                     context=torch.randn(2, 12, CAPTION_DIM, generator=g), num_tokens=12)
 
     def conds():
@@ -169,12 +169,12 @@ def lumina2() -> Case:
         mask = {"attention_mask": torch.ones(1, 12, dtype=torch.long)}
         return ([[torch.randn(1, 12, CAPTION_DIM, generator=g), dict(mask)]],
                 [[torch.randn(1, 12, CAPTION_DIM, generator=g), dict(mask)]])
-    return Case(patcher, inputs, "diffusion_model.layers.0.attention.qkv.weight", torch.zeros(1, 16, 128, 128),
+    return Case(patcher, inputs, "diffusion_model.layers.0.attention.qkv.weight", torch.zeros(1, 16, 64, 64),
                 conds, kv_heads=4, heads=8)
 
 
 def ltx_video() -> Case:
-    """LTX-Video with its text padding mask on the cross-attention (2 x 4,096 video tokens;
+    """LTX-Video with its text padding mask on the cross-attention (2 x 1,024 video tokens;
     tests/test_ltx_adapter.py's tiny model)."""
     import torch
     from test_ltx_adapter import CAPTION, ltx_model, text_mask
@@ -182,7 +182,7 @@ def ltx_video() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 4, 32, 32, generator=g), timestep=torch.tensor([0.5, 0.5]),
+        return dict(x=torch.randn(2, 16, 4, 16, 16, generator=g), timestep=torch.tensor([0.5, 0.5]),
                     context=torch.randn(2, 12, CAPTION, generator=g), attention_mask=text_mask(torch, 2),
                     frame_rate=25)
 
@@ -191,12 +191,12 @@ def ltx_video() -> Case:
         return ([[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]],
                 [[torch.randn(1, 12, CAPTION, generator=g), {"attention_mask": text_mask(torch, 1)}]])
     return Case(patcher, inputs, "diffusion_model.transformer_blocks.0.attn1.to_q.weight",
-                torch.zeros(1, 16, 4, 32, 32), conds, 4)
+                torch.zeros(1, 16, 4, 16, 16), conds, 4)
 
 
 def sd3() -> Case:
     """SD3.5 Medium's layout (per-head RMSNorm q/k, an `x_block_self_attn` block, the last context `pre_only`;
-    2 x 4,096 image tokens; tests/test_sd3_adapter.py's tiny model)."""
+    2 x 1,024 image tokens; tests/test_sd3_adapter.py's tiny model)."""
     import torch
     from test_sd3_adapter import CONTEXT, sd3_model
     patcher = sd3_model("sd35_medium", num_blocks=2, x_block_self_attn_layers=[0], pos_embed_max_size=64,
@@ -204,7 +204,7 @@ def sd3() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 128, 128, generator=g), timesteps=torch.tensor([700.0, 700.0]),
+        return dict(x=torch.randn(2, 16, 64, 64, generator=g), timesteps=torch.tensor([700.0, 700.0]),
                     context=torch.randn(2, 12, CONTEXT, generator=g), y=torch.randn(2, 32, generator=g))
 
     def conds():
@@ -212,26 +212,26 @@ def sd3() -> Case:
         return ([[torch.randn(1, 12, CONTEXT, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]],
                 [[torch.randn(1, 12, CONTEXT, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]])
     return Case(patcher, inputs, "diffusion_model.joint_blocks.0.x_block.attn.qkv.weight",
-                torch.zeros(1, 16, 128, 128), conds, 4)
+                torch.zeros(1, 16, 64, 64), conds, 4)
 
 
 def cosmos_predict2() -> Case:
     """Cosmos predict2 (text-to-image: one frame; split-half RoPE, per-head norms, text cross-attention, adaLN-LoRA;
-    2 x 68 x 68 = 2 x 4,624 tokens; tests/test_cosmos_adapter.py's tiny model)."""
+    2 x 34 x 34 = 2 x 1,156 tokens; tests/test_cosmos_adapter.py's tiny model)."""
     import torch
     from test_cosmos_adapter import TEXT_DIM, cosmos_model
     patcher = cosmos_model()
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 1, 136, 136, generator=g), timesteps=torch.tensor([0.5, 0.5]),
+        return dict(x=torch.randn(2, 16, 1, 68, 68, generator=g), timesteps=torch.tensor([0.5, 0.5]),
                     context=torch.randn(2, 12, TEXT_DIM, generator=g))
 
     def conds():
         g = torch.Generator().manual_seed(2)
         return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {}]], [[torch.randn(1, 12, TEXT_DIM, generator=g), {}]])
     return Case(patcher, inputs, "diffusion_model.blocks.0.self_attn.q_proj.weight",
-                torch.zeros(1, 16, 1, 136, 136), conds, 4)
+                torch.zeros(1, 16, 1, 68, 68), conds, 4)
 
 
 HIDREAM = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 1,
@@ -242,7 +242,7 @@ HIDREAM = {"image_model": "hidream", "patch_size": 2, "in_channels": 16, "out_ch
 
 def hidream() -> Case:
     """HiDream-I1 (RMSNorms over all heads, [image, text] joint double blocks, single blocks over image + text,
-    a routed mixture-of-experts feed-forward run by token chunks; 2 x (4,096 + 28) tokens)."""
+    a routed mixture-of-experts feed-forward run by token chunks; 2 x (1,024 + 28) tokens)."""
     import torch
     patcher = _patcher(_model("HiDream", HIDREAM))
 
@@ -252,7 +252,7 @@ def hidream() -> Case:
 
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return dict(x=torch.randn(2, 16, 128, 128, generator=g), t=torch.tensor([0.5, 0.5]), **text(g, 2))
+        return dict(x=torch.randn(2, 16, 64, 64, generator=g), t=torch.tensor([0.5, 0.5]), **text(g, 2))
 
     def conds():
         g = torch.Generator().manual_seed(2)
@@ -263,12 +263,12 @@ def hidream() -> Case:
                                             "conditioning_llama3": extra["encoder_hidden_states_llama3"]}]])
         return tuple(out)
     return Case(patcher, inputs, "diffusion_model.double_stream_blocks.0.block.attn1.to_k.weight",
-                torch.zeros(1, 16, 128, 128), conds, 4)
+                torch.zeros(1, 16, 64, 64), conds, 4)
 
 
 def kandinsky5() -> Case:
     """Kandinsky 5 video (a text block, then visual blocks with per-head RMSNorm q/k, pair RoPE over three axes and
-    a text cross-attention; 2 x 4 x 32 x 32 = 2 x 4,096 tokens; tests/test_kandinsky5_adapter.py's tiny model).
+    a text cross-attention; 2 x 4 x 16 x 16 = 2 x 1,024 tokens; tests/test_kandinsky5_adapter.py's tiny model).
     Skipped where ComfyUI has no Kandinsky 5 (before v0.4)."""
     import importlib.util
     import torch
@@ -281,9 +281,9 @@ def kandinsky5() -> Case:
         g = torch.Generator().manual_seed(2)
         return ([[torch.randn(1, 12, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]],
                 [[torch.randn(1, 12, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]])
-    return Case(patcher, lambda: kandinsky_inputs(torch, latent=(2, 33, 4, 64, 64), text_tokens=12),
+    return Case(patcher, lambda: kandinsky_inputs(torch, latent=(2, 33, 4, 32, 32), text_tokens=12),
                 "diffusion_model.visual_transformer_blocks.0.self_attention.to_query.weight",
-                torch.zeros(1, 16, 4, 64, 64), conds, 4)
+                torch.zeros(1, 16, 4, 32, 32), conds, 4)
 
 
 def minimax_h3() -> Case:

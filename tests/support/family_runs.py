@@ -12,10 +12,10 @@ import pytest
 from support import comfy_env
 from support import family_cases
 
-# The cases are cond + uncond of 4,096+ tokens each (family_cases.py): the head split is decided per batch
-# item, and real sizes split from 8,192 tokens an item. Half that here keeps the cases small and the split on,
-# with the text streams as short as on real sizes (projected whole).
-CASE_SPLIT_FLOOR = 4096
+# The cases are cond + uncond of 1,024+ tokens each (family_cases.py): the head split is decided per batch
+# item, and real sizes split from 8,192 tokens an item. An eighth of that here keeps the cases small and the
+# split on, with the text streams as short as on real sizes (projected whole).
+CASE_SPLIT_FLOOR = 1024
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def registered(env, case: str):
 @pytest.fixture(autouse=True)
 def _family_floor(request, env):
     """A family that splits only from a multiple of the runtime's floor (its registered row's
-    `split_floor_scale`) gets that fraction of the cases' floor, so that its 4,096-token items split like the
+    `split_floor_scale`) gets that fraction of the cases' floor, so that its 1,024-token items split like the
     others'."""
     family = getattr(getattr(request.node, "callspec", None), "params", {}).get("family")
     scale = registered(env, family).measured.split_floor_scale if family is not None else 1
