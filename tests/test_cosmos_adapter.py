@@ -141,20 +141,6 @@ def test_per_frame_timesteps_and_rows_of_a_frame(env, split_everything):
     check_every_level(env, cosmos_model(), cosmos_inputs(torch, frames=2, side=40), levels=("Medium",))
 
 
-def test_batch_of_two_and_bf16(env, split_everything):
-    torch = env.torch
-    check_every_level(env, cosmos_model(), cosmos_inputs(torch, batch=2), levels=("High",))
-    base = cosmos_model(dtype=torch.bfloat16)
-    inputs = cosmos_inputs(torch, dtype=torch.bfloat16)
-    reference = forward(base, inputs)
-    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
-    assert patched_counts(report) == {"attention": 4, "block": 2}
-    env.core.reset_notices()
-    out = forward(base, inputs, applied=patched)
-    assert not stock_fallbacks(env)
-    assert rel_err(out, reference) <= 3e-2   # bf16 round-off
-
-
 @pytest.mark.parametrize("hook", ["attn1_patch", "attn2_patch", "mlp_patch"])
 def test_other_nodes_hooks_run_stock(env, split_everything, hook):
     """Other nodes' hooks ComfyUI calls on whole inputs (v0.33+): the modules that call them run as ComfyUI's,

@@ -10,6 +10,7 @@ import importlib.util
 
 import pytest
 
+from support import adapter_checks
 from support import comfy_env
 from support import working_set_check
 from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
@@ -54,32 +55,18 @@ def kandinsky_inputs(torch, latent=(1, 33, 3, 16, 12), text_tokens=10, seed=1):
 
 
 def test_video_equals_stock_at_every_level(env, split_everything):
-    torch = env.torch
     base = kandinsky_model()
     model = base.model.diffusion_model
-    inputs = kandinsky_inputs(torch)
-    reference = forward(base, inputs)
     attentions = len(model.text_transformer_blocks) + len(model.visual_transformer_blocks)
-    heads = model.visual_transformer_blocks[0].self_attention.num_heads
-    for level in env.node.LEVELS:
-        for block in (False, True):
-            patched, report = env.node.apply_patch(base, level, "sdpa", block)
-            assert not report.skipped_reasons, report.lines()
-            expected = {"self-attention": attentions,
-                        **({"block": len(model.visual_transformer_blocks)} if block else {})}
-            assert {what: n for (family, what), n in report.patched_counts.items()} == expected
-            env.core.reset_notices()
-            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
-                out = forward(base, inputs, applied=patched)
-            assert not stock_fallbacks(env), (level, block)
-            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(heads, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
-            assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
-    assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
+    heads, blocks = model.visual_transformer_blocks[0].self_attention.num_heads, len(model.visual_transformer_blocks)
+    adapter_checks.check_every_level(
+        env, base, kandinsky_inputs(env.torch), heads,
+        lambda block: {"self-attention": attentions, **({"block": blocks} if block else {})})
 
 
-def test_image_model_batch_of_two_and_bf16(env, split_everything):
-    """Kandinsky 5 image (4-D latents, no concat channels), two batch items, then bf16."""
+def test_image_model_batch_of_two(env, split_everything):
+    """Kandinsky 5 image (4-D latents, no concat channels), two batch items (bf16: the contract test's video
+    model)."""
     torch = env.torch
     base = kandinsky_model(dict(VIDEO, visual_embed_dim=64), "Kandinsky5Image")
     g = torch.Generator().manual_seed(4)
@@ -90,35 +77,6 @@ def test_image_model_batch_of_two_and_bf16(env, split_everything):
     env.core.reset_notices()
     assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
     assert not stock_fallbacks(env)
-    base.model.diffusion_model.to(torch.bfloat16)
-    inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
-                for k, v in inputs.items()}
-    stock16 = forward(base, inputs16).float()
-    ours16 = forward(base, inputs16, applied=patched).float()
-    assert not stock_fallbacks(env)
-    assert rel_err(ours16, reference) <= 2 * rel_err(stock16, reference) + 1e-2
-
-
-def test_sampling_two_steps_equals_stock(env):
-    """Through ComfyUI's sampler (its conds and concat channels), patched at High with block bounds."""
-    import comfy.sample
-    torch = env.torch
-    base = kandinsky_model()
-    g = torch.Generator().manual_seed(5)
-    latent = torch.randn(1, 16, 3, 12, 12, generator=g)
-    positive = [[torch.randn(1, 9, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]]
-    negative = [[torch.randn(1, 9, TEXT_DIM, generator=g), {"pooled_output": torch.randn(1, POOLED_DIM, generator=g)}]]
-
-    def sample(model):
-        return comfy.sample.sample(model, torch.zeros_like(latent), 2, 3.0, "euler", "simple", positive, negative,
-                                   latent.clone(), denoise=1.0, disable_noise=False, seed=7)
-    reference = sample(base)
-    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
-    assert report.any_patched and not report.skipped_reasons, report.lines()
-    env.core.reset_notices()
-    out = sample(patched)
-    assert not stock_fallbacks(env)
-    assert rel_err(out, reference) <= 1e-5
 
 
 def test_unsupported_layouts_and_foreign_hooks_run_stock(env, split_everything):

@@ -9,6 +9,7 @@ import importlib
 
 import pytest
 
+from support import adapter_checks
 from support import comfy_env
 from support.comfy_env import model_forward as forward, rel_err, stock_fallbacks
 
@@ -76,23 +77,10 @@ def _blocks(model) -> int:
 
 
 def check_every_level(env, base, inputs, heads: int, kv_heads: int):
-    torch = env.torch
-    reference = forward(base, inputs)
     blocks = _blocks(base.model.diffusion_model)
-    for level in env.node.LEVELS:
-        for block in (False, True):
-            patched, report = env.node.apply_patch(base, level, "sdpa", block)
-            assert not report.skipped_reasons, report.lines()
-            expected = {"attention": blocks, **({"block": blocks} if block else {})}
-            assert {what: n for (family, what), n in report.patched_counts.items()} == expected
-            env.core.reset_notices()
-            with comfy_env.SdpaHeads(torch, check_tokens=0) as spy:
-                out = forward(base, inputs, applied=patched)
-            assert not stock_fallbacks(env), (level, block)
-            assert rel_err(out, reference) <= 1e-5, (level, block, rel_err(out, reference))
-            groups = env.core.group_count(kv_heads, 10**6, env.node.LEVELS.index(level), split_floor_tokens=0)
-            assert heads // groups in spy.self_heads, (level, spy.self_heads)   # the split really ran
-    assert torch.equal(forward(base, inputs), reference)   # the unpatched model is stock again
+    adapter_checks.check_every_level(
+        env, base, inputs, heads, lambda block: {"attention": blocks, **({"block": blocks} if block else {})},
+        groups=lambda level: env.core.group_count(kv_heads, 10**6, level, split_floor_tokens=0))
 
 
 def test_lumina2_grouped_query_equals_stock_at_every_level(env, split_everything):
@@ -123,25 +111,6 @@ def test_zimage_equals_stock_at_every_level(env, split_everything):
                       heads=4, kv_heads=4)
 
 
-def test_batch_of_two_and_bf16(env, split_everything):
-    torch = env.torch
-    base = lumina_model(LUMINA2)
-    inputs = lumina_inputs(torch, latent=(2, 16, 16, 16))
-    reference = forward(base, inputs)
-    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
-    env.core.reset_notices()
-    assert rel_err(forward(base, inputs, applied=patched), reference) <= 1e-5
-    assert not stock_fallbacks(env)
-    base.model.diffusion_model.to(torch.bfloat16)
-    inputs16 = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
-                for k, v in inputs.items()}
-    stock16 = forward(base, inputs16).float()
-    ours16 = forward(base, inputs16, applied=patched).float()
-    assert not stock_fallbacks(env)
-    # bf16 round-off of a reordered computation, next to stock's own distance from float32
-    assert rel_err(ours16, reference) <= 2 * rel_err(stock16, reference) + 1e-2
-
-
 def test_zimage_omni_modulation_ranges(env, split_everything):
     """Z-Image Omni (reference latents): the batch's modulation is doubled and token ranges take the other
     half (`timestep_zero_index`); the bounded block applies each chunk's share of the ranges."""
@@ -160,29 +129,6 @@ def test_zimage_omni_modulation_ranges(env, split_everything):
         out = forward(base, inputs, applied=patched)
         assert not stock_fallbacks(env)
         assert rel_err(out, reference) <= 1e-5, (block, rel_err(out, reference))
-
-
-def test_sampling_two_steps_equals_stock(env):
-    """Through ComfyUI's sampler (its conds, its model wrapper), patched at High with block bounds."""
-    import comfy.sample
-    torch = env.torch
-    base = lumina_model(LUMINA2)
-    g = torch.Generator().manual_seed(5)
-    latent = torch.randn(1, 16, 24, 24, generator=g)
-    # the text encoder's mask (all tokens): older ComfyUI takes the model's num_tokens from it
-    positive = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}]]
-    negative = [[torch.randn(1, 10, CAPTION_DIM, generator=g), {"attention_mask": torch.ones(1, 10, dtype=torch.long)}]]
-
-    def sample(model):
-        return comfy.sample.sample(model, torch.zeros_like(latent), 2, 3.0, "euler", "simple", positive, negative,
-                                   latent.clone(), denoise=1.0, disable_noise=False, seed=7)
-    reference = sample(base)
-    patched, report = env.node.apply_patch(base, "High", "sdpa", True)
-    assert report.any_patched and not report.skipped_reasons, report.lines()
-    env.core.reset_notices()
-    out = sample(patched)
-    assert not stock_fallbacks(env)
-    assert rel_err(out, reference) <= 1e-5
 
 
 def test_unsupported_layouts_pass_through(env, split_everything, caplog):
@@ -316,29 +262,6 @@ def _lora_patches(torch, model, seed=3):
         key = f"diffusion_model.layers.0.{name}.weight"
         patches[key] = (torch.randn(model.get_parameter(key).shape, generator=g) * 0.05,)
     return patches
-
-
-@pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram-weight-function"])
-def test_lora_on_the_fused_qkv_gives_the_same_output(env, split_everything, lowvram):
-    torch = env.torch
-    base = lumina_model(LUMINA2)
-    inputs = lumina_inputs(torch)
-    plain = forward(base, inputs)
-    lora = base.clone()
-    lora.add_patches(_lora_patches(torch, base.model), 1.0)
-    patched, _ = env.node.apply_patch(lora, "High", "sdpa", True)
-
-    def run(patcher):
-        return comfy_env.weights_forward(patcher, inputs, lowvram,
-                                         layer=lambda model: model.layers[0].attention.qkv)
-
-    stock_lora = run(lora)
-    env.core.reset_notices()
-    ours_lora = run(patched)
-    assert not stock_fallbacks(env)
-    assert rel_err(stock_lora, plain) > 1e-3            # the LoRA does change the output
-    assert rel_err(ours_lora, stock_lora) <= 1e-5
-    assert rel_err(forward(base, inputs), plain) <= 1e-6  # and is gone afterwards
 
 
 def test_another_nodes_hook_on_a_part_runs_the_stock_block(env, split_everything):

@@ -111,22 +111,6 @@ def test_masked_rows_and_tagged_text(env, split_everything):
     assert rel_err(out, reference) <= 1e-5, rel_err(out, reference)
 
 
-def test_bf16_equals_stock_within_its_noise(env, split_everything):
-    """bf16 weights and inputs (the released checkpoints' dtype): the self-checks pass and the output is within
-    bf16 noise of stock's."""
-    torch = env.torch
-    base = minimax_model(dtype=torch.bfloat16)
-    inputs = minimax_inputs(torch)
-    inputs["x"] = [t.to(torch.bfloat16) for t in inputs["x"]]
-    inputs["context"] = inputs["context"].to(torch.bfloat16)
-    reference = forward(base, inputs)
-    patched, _ = env.node.apply_patch(base, "High", "sdpa", True)
-    env.core.reset_notices()
-    out = forward(base, inputs, applied=patched)
-    assert not stock_fallbacks(env)
-    assert rel_err(out, reference) <= 3e-2, rel_err(out, reference)
-
-
 # --- KJNodes-style patches (the behaviour of its MiniMax nodes, written here) -----------------------------------
 class KJStyle:
     """What KJNodes' MiniMax nodes install, the way they install it: `low_vram` a block forward that hands the

@@ -44,21 +44,40 @@ def _family_floor(request, env):
         yield
 
 
-def case_forward(case, applied=None, weights=False):
+def case_forward(case, applied=None, weights=False, lowvram_layer=None, dtype=None):
     """The diffusion model's output with `applied`'s patches in place (its object patches; with `weights`, its
-    weight patches too, e.g. a LoRA); None: as loaded."""
+    weight patches too, e.g. a LoRA); None: as loaded. `lowvram_layer` (a module path in the diffusion model):
+    `applied` loaded as ComfyUI's low-VRAM mode loads it (`lowvram_model_memory=1`: weight patches become each
+    layer's weight functions, applied at every call), that layer asserted to take the path. `dtype`: the inputs'
+    floating tensors of more than one dimension cast to it (timesteps stay float32, as ComfyUI passes them)."""
     import torch
-    if applied is not None:
+    if applied is not None and lowvram_layer is not None:
+        applied.patch_model(device_to=torch.device("cpu"), lowvram_model_memory=1)
+        layer = applied.model.diffusion_model.get_submodule(lowvram_layer)
+        assert len(layer.weight_function) > 0 and layer.comfy_cast_weights   # the LowVramPatch path
+    elif applied is not None:
         applied.patch_model(device_to=torch.device("cpu"), load_weights=weights)
     try:
         inputs = case.inputs()
+        if dtype is not None:
+            inputs = {name: _cast(value, dtype) for name, value in inputs.items()}
         inputs["transformer_options"] = {**inputs.get("transformer_options", {}),
                                          **(applied or case.patcher).model_options.get("transformer_options", {})}
         with torch.no_grad():
             return case.patcher.model.diffusion_model(**inputs)
     finally:
         if applied is not None:
-            applied.unpatch_model(unpatch_weights=weights)
+            applied.unpatch_model(unpatch_weights=weights or lowvram_layer is not None)
+
+
+def _cast(value, dtype):
+    """`value` with its floating tensors of more than one dimension in `dtype` (lists and tuples too)."""
+    import torch
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(item, dtype) for item in value)
+    if torch.is_tensor(value) and value.is_floating_point() and value.dim() > 1:
+        return value.to(dtype)
+    return value
 
 
 def family_groups(env, family: str, kv_heads: int, level: int) -> int:
