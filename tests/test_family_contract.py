@@ -2,10 +2,10 @@
 the tiny models, from ComfyUI's own configs, with more tokens than the split floor): the patched model equals stock
 at every level, with and without block bounds, and really splits; a short sampling run equals stock; a LoRA on a
 q/k/v (or fused qkv) weight gives the LoRA's output, merged or applied per call (low-VRAM loading); bf16 is as
-close to float32 as stock; fp8 weights cast per call and GGUF weights equal stock; the unpatched model is stock
-again. Masks (HunyuanVideo's text
-padding, LTX-Video's cross-attention text mask), Qwen-Image's reference latents, grouped-query heads
-(Lumina 2), Kandinsky 5's text and visual blocks and HiDream's mixture-of-experts blocks are in the cases; every
+close to float32 as stock; another node's attn1_patch and an argument the pack does not know leave the call to
+ComfyUI; fp8 weights cast per call and GGUF weights equal stock; the unpatched model is stock again. Masks
+(HunyuanVideo's text padding, LTX-Video's cross-attention text mask), Qwen-Image's reference latents, grouped-query
+heads (Lumina 2), Kandinsky 5's text and visual blocks and HiDream's mixture-of-experts blocks are in the cases; every
 family of the registry (nodes/families/__init__.py) has one. Skipped without ComfyUI."""
 from __future__ import annotations
 
@@ -190,6 +190,41 @@ def test_another_nodes_attn1_patch_runs_stock(env, family, bounds):
     if "qkv" in seen:
         assert any("attn1_patch hook needs whole q/k/v" in line for line in _fallbacks(env)), _fallbacks(env)
     assert rel_err(out, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("family", sorted(family_cases.CASES))
+def test_an_argument_the_pack_does_not_know_runs_stock(env, family, monkeypatch):
+    """A newer ComfyUI whose attention takes an argument the pack's forward does not know (`new_argument`): the
+    pack leaves that module to ComfyUI when it patches, or a call that passes the argument runs ComfyUI's forward;
+    either way the reason names the argument and the result is ComfyUI's."""
+    torch = env.torch
+    case = family_cases.case(family)
+    patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", False)   # the attention patches alone
+    key = next(key for key in patched.object_patches if key.endswith(".forward"))
+    module = case.patcher.model.get_submodule(key[:-len(".forward")])
+    calls = []
+    handle = module.register_forward_pre_hook(lambda _, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:
+        case_forward(case)
+    finally:
+        handle.remove()
+    args, kwargs = calls[0]
+    stock = type(module).forward
+
+    def newer_forward(self, *args, new_argument=None, **kwargs):   # a ComfyUI that added an argument
+        return stock(self, *args, **kwargs)
+    monkeypatch.setattr(type(module), "forward", newer_forward)
+    patched, report = env.node.apply_patch(case.patcher, "High", "sdpa", False)
+    env.core.reset_notices()
+    with torch.no_grad():
+        expected = stock(module, *map(comfy_env.fresh, args), **{k: comfy_env.fresh(v) for k, v in kwargs.items()})
+        if key not in patched.object_patches:   # refused when patching
+            assert any("new_argument" in line for line in report.lines()), report.lines()
+            return
+        out = patched.object_patches[key](*map(comfy_env.fresh, args),
+                                          **{k: comfy_env.fresh(v) for k, v in kwargs.items()}, new_argument=1)
+    assert any("new_argument" in line for line in _fallbacks(env)), _fallbacks(env)
+    assert rel_err(out, expected) == 0
 
 
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
