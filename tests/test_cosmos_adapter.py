@@ -177,14 +177,7 @@ def test_calls_left_to_comfyui(env, cosmos, split_everything):
     base = cosmos_model()
     inputs = cosmos_inputs(torch)
     attn = base.model.diffusion_model.blocks[0].self_attn
-    calls = []
-    handle = attn.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, kwargs)),
-                                            with_kwargs=True)
-    try:
-        forward(base, inputs)
-    finally:
-        handle.remove()
-    args, call = calls[0]
+    args, call = comfy_env.first_call(attn, lambda: forward(base, inputs))
     x = args[0]
     call = dict(call, **({"rope_emb": args[2]} if len(args) > 2 else {}))
     stock = type(attn).forward

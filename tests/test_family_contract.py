@@ -99,9 +99,9 @@ def test_sampling_equals_stock(env, family):
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
 def test_lora_on_the_projection_weight(env, family, lowvram):
     """A LoRA on every weight matrix of the module that holds the case's q/k/v (or fused qkv) weight (its
-    attention's projections, the text stream's where it has one, the output; CogVideoX's whole block), merged into the weights or (low-VRAM loading)
-    applied by each layer's weight function at every call: the patched model gives the LoRA's output, and none
-    once removed."""
+    attention's projections, the text stream's where it has one, the output; CogVideoX's whole block), merged
+    into the weights or (low-VRAM loading) applied by each layer's weight function at every call: the patched
+    model gives the LoRA's output, and none once removed."""
     torch = env.torch
     case = family_cases.case(family)
     plain = case_forward(case)
@@ -202,13 +202,7 @@ def test_an_argument_the_pack_does_not_know_runs_stock(env, family, monkeypatch)
     patched, _ = env.node.apply_patch(case.patcher, "High", "sdpa", False)   # the attention patches alone
     key = next(key for key in patched.object_patches if key.endswith(".forward"))
     module = case.patcher.model.get_submodule(key[:-len(".forward")])
-    calls = []
-    handle = module.register_forward_pre_hook(lambda _, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
-    try:
-        case_forward(case)
-    finally:
-        handle.remove()
-    args, kwargs = calls[0]
+    args, kwargs = comfy_env.first_call(module, lambda: case_forward(case))
     stock = type(module).forward
 
     def newer_forward(self, *args, new_argument=None, **kwargs):   # a ComfyUI that added an argument

@@ -164,14 +164,7 @@ def test_calls_left_to_comfyui(env, ltx, split_everything):
     base = ltx_model()
     inputs = ltx_inputs(torch)
     attn1 = base.model.diffusion_model.transformer_blocks[0].attn1
-    calls = []
-    handle = attn1.register_forward_pre_hook(lambda module, args, kwargs: calls.append((args, kwargs)),
-                                             with_kwargs=True)
-    try:
-        forward(base, inputs)
-    finally:
-        handle.remove()
-    (x,), call = calls[0]
+    (x,), call = comfy_env.first_call(attn1, lambda: forward(base, inputs))
     stock = type(attn1).forward
     ours = ltx.attention_forward(attn1, env.node.QKVConfig(3, "sdpa", True))
     if hasattr(ltx_model_module, "GuideAttentionMask"):

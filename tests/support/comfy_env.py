@@ -455,8 +455,8 @@ from support.prompt_runs import (StubServer, execution_error, load_custom_node, 
 # Tiny Wan models, forwards and comparisons: tests/support/tiny_wan.py (reachable here, as the tests call them)
 # --------------------------------------------------------------------------------------------------
 
-from support.tiny_wan import (FP8_LAYOUTS, WAN_KINDS, fill_random_, fp8_cast_per_call_, fresh,  # noqa: E402,F401
-                              latent_channels, lines_of_kind, logged_of_kind, make_conds, make_fp8_scaled_wan,
+from support.tiny_wan import (FP8_LAYOUTS, WAN_KINDS, fill_random_, first_call, fp8_cast_per_call_,  # noqa: E402,F401
+                              fresh, latent_channels, lines_of_kind, logged_of_kind, make_conds, make_fp8_scaled_wan,
                               make_inputs, make_wan, model_forward, n_tokens, rel_err, run_sample, stock_fallbacks,
                               weights_forward, _as_scaled_fp8_file, _wan_config)
 

@@ -382,6 +382,17 @@ def weights_forward(patcher, inputs, lowvram=False, layer=None):
         patcher.unpatch_model()
 
 
+def first_call(module, run) -> tuple:
+    """The (args, kwargs) of `module`'s first call while `run()` runs (a forward pre-hook, removed after)."""
+    calls = []
+    handle = module.register_forward_pre_hook(lambda _, args, kwargs: calls.append((args, kwargs)), with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return calls[0]
+
+
 def lines_of_kind(notices, *kinds) -> list:
     """The log lines of the `Notice`s in `notices` whose kind is one of `kinds` (qkv_core.notices' kinds)."""
     return [str(notice) for notice in notices if notice.kind in kinds]
