@@ -48,26 +48,11 @@ def test_bounded_block_peak():
     pack = comfy_env.load_pack()
     cosmos = importlib.import_module(pack.__name__ + ".nodes.families.cosmos")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    core = importlib.import_module(pack.__name__ + ".qkv_core")
-    try:
-        memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
-    except ImportError:
-        memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
     block, inputs = build_block(torch), block_inputs(torch)
-    x = inputs.pop("x_B_T_H_W_D")
-    x_bytes = x.numel() * x.element_size()
-    config = node.QKVConfig(level=3, backend="sdpa", block=True)
-    bounded_forward = cosmos.bounded_block_forward(block, config)
-    # the bounded block adds into x in place: each run gets its own copy, made before it is measured
-    x_stock, x_bounded = x.clone(), x.clone()
-    live = [block, list(inputs.values()), x, x_stock, x_bounded]
-    with torch.no_grad():
-        core.reset_notices()
-        working_set_check.check_first_call(pack, bounded_forward, x, **inputs)   # outside the measurement
-        assert not comfy_env.lines_of_kind(core.drain_notices(), core.notices.FALLBACK, core.notices.SHORT_CALL)
-        stock = memory.measure_peak(block, x_stock, **inputs, live=live)
-        bounded = memory.measure_peak(bounded_forward, x_bounded, **inputs, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    bounded_forward = cosmos.bounded_block_forward(block, node.QKVConfig(level=3, backend="sdpa", block=True))
+    # the bounded block adds into x in place: each run gets its own copy
+    stock, bounded, ratio_stock, ratio_bounded = working_set_check.measure_block_peaks(
+        pack, block, bounded_forward, inputs, "x_B_T_H_W_D", in_place=True)
     working_set_check.assert_estimates(pack, cosmos, "block", HEADS, TOKENS, ratio_stock,
                                        ratio_bounded)
     print(f"\nCosmos predict2 block {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "

@@ -62,26 +62,11 @@ def test_bounded_block_peak(rope_type):
     pack = comfy_env.load_pack()
     ltx = importlib.import_module(pack.__name__ + ".nodes.families.ltx")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    core = importlib.import_module(pack.__name__ + ".qkv_core")
-    try:
-        memory = importlib.import_module(pack.__name__ + ".benchmarks.memory")
-    except ImportError:
-        memory = importlib.import_module(pack.__name__ + ".qkv_core.memory")
     block, inputs = build_block(torch), block_inputs(torch, rope_type)
-    x_bytes = inputs["x"].numel() * inputs["x"].element_size()
-    config = node.QKVConfig(level=3, backend="sdpa", block=True)
-    bounded_forward = ltx.bounded_block_forward(block, config)
-    # the block adds into x in place (stock too): each run gets its own copy, made before it is measured
-    x_stock, x_bounded = inputs["x"].clone(), inputs["x"].clone()
-    rest = {name: value for name, value in inputs.items() if name != "x"}
-    live = [block, list(inputs.values()), x_stock, x_bounded]
-    with torch.no_grad():
-        core.reset_notices()
-        working_set_check.check_first_call(pack, bounded_forward, **inputs)   # outside the measurement
-        assert not comfy_env.lines_of_kind(core.drain_notices(), core.notices.FALLBACK, core.notices.SHORT_CALL)
-        stock = memory.measure_peak(block, x=x_stock, **rest, live=live)
-        bounded = memory.measure_peak(bounded_forward, x=x_bounded, **rest, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    bounded_forward = ltx.bounded_block_forward(block, node.QKVConfig(level=3, backend="sdpa", block=True))
+    # the block adds into x in place (stock too): each run gets its own copy
+    stock, bounded, ratio_stock, ratio_bounded = working_set_check.measure_block_peaks(
+        pack, block, bounded_forward, inputs, "x", in_place=True)
     working_set_check.assert_estimates(pack, ltx, "block", HEADS, TOKENS, ratio_stock,
                                        ratio_bounded)
     print(f"\nLTX-Video block ({rope_type} RoPE) {TOKENS} tokens x {WIDTH}: stock {ratio_stock:.2f}x|x|, bounded "

@@ -12,7 +12,6 @@ import pytest
 
 from support import comfy_env
 from support import working_set_check
-from support.working_set_check import measurement_module
 
 pytestmark = pytest.mark.comfyui
 
@@ -60,18 +59,10 @@ def test_bounded_block_peak():
     pack = comfy_env.load_pack()
     qwen = importlib.import_module(pack.__name__ + ".nodes.families.qwen_image")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    memory = measurement_module(pack)
     block, inp = build_block(torch), block_inputs(torch)
-    x_bytes = inp["hidden_states"].numel() * inp["hidden_states"].element_size()
-    live = [block, list(inp.values())]
     bounded_forward = qwen.block_forward(block, node.QKVConfig(level=3, backend="sdpa", block=True))
-    pack.qkv_core.reset_notices()
-    with torch.no_grad():
-        working_set_check.check_first_call(pack, bounded_forward, **inp)   # outside the measurement
-        assert not comfy_env.lines_of_kind(pack.qkv_core.drain_notices(), pack.qkv_core.notices.FALLBACK)
-        stock = memory.measure_peak(block, **inp, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inp, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    stock, bounded, ratio_stock, ratio_bounded = working_set_check.measure_block_peaks(pack, block, bounded_forward,
+                                                                                       inp, "hidden_states")
     working_set_check.assert_estimates(pack, qwen, "block", HEADS, TOKENS + TEXT, ratio_stock,
                                        ratio_bounded)
     print(f"\nQwen-Image block bf16 {TOKENS} + {TEXT} tokens x {WIDTH}, {HEADS} heads: stock {ratio_stock:.2f}x|x|, "

@@ -13,7 +13,6 @@ import pytest
 
 from support import comfy_env
 from support import working_set_check
-from support.working_set_check import measurement_module
 
 pytestmark = pytest.mark.comfyui
 
@@ -47,18 +46,10 @@ def test_bounded_block_peak(layout):
     pack = comfy_env.load_pack()
     sd3 = importlib.import_module(pack.__name__ + ".nodes.families.sd3")
     node = importlib.import_module(pack.__name__ + ".nodes.patching")
-    memory = measurement_module(pack)
     block, inp = build_block(torch, LAYOUTS[layout]), block_inputs(torch)
-    x_bytes = inp["x"].numel() * inp["x"].element_size()
-    live = [block, list(inp.values())]
     bounded_forward = sd3.block_forward(block, node.QKVConfig(level=3, backend="sdpa", block=True))
-    pack.qkv_core.reset_notices()
-    with torch.no_grad():
-        working_set_check.check_first_call(pack, bounded_forward, **inp)   # outside the measurement
-        assert not comfy_env.lines_of_kind(pack.qkv_core.drain_notices(), pack.qkv_core.notices.FALLBACK)
-        stock = memory.measure_peak(block, **inp, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inp, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    stock, bounded, ratio_stock, ratio_bounded = working_set_check.measure_block_peaks(pack, block, bounded_forward,
+                                                                                       inp, "x")
     working_set_check.assert_estimates(pack, sd3, "joint_self_attention" if LAYOUTS[layout] else "joint", HEADS, TOKENS + TEXT, ratio_stock,
                                        ratio_bounded)
     print(f"\nSD3 joint block ({layout}) bf16 {TOKENS} + {TEXT} tokens x {WIDTH}, {HEADS} heads: stock "

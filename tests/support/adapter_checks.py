@@ -4,7 +4,6 @@ peak against ComfyUI's own block and the planner's working set. Imported as ``fr
 (tests/ is on sys.path)."""
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Optional
 
 from support import comfy_env
@@ -55,18 +54,9 @@ def check_block_peak(env, adapter, block, inputs: dict, x: str, heads: int, toke
     bounds; its self-check run first, outside the measurement), in multiples of |x| (`inputs[x]`'s bytes): both
     within the planner's working set (`working_set_check`), the pack's <= 2.5 x |x| and <= 0.4 x stock's.
     Returns the pack's ratio."""
-    torch = env.torch
-    memory = importlib.import_module(env.pack.__name__ + ".benchmarks.memory")
-    x_bytes = inputs[x].numel() * inputs[x].element_size()
-    live = [block, list(inputs.values())]
     bounded_forward = adapter.block_forward(block, adapter.SPEC.configure(env.node.QKVConfig(3, "sdpa", True)))
-    with torch.no_grad():
-        env.core.reset_notices()
-        working_set_check.check_first_call(env.pack, bounded_forward, **inputs)   # outside the measurement
-        assert not comfy_env.stock_fallbacks(env)
-        stock = memory.measure_peak(block, **inputs, live=live)
-        bounded = memory.measure_peak(bounded_forward, **inputs, live=live)
-    ratio_stock, ratio_bounded = stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
+    stock, bounded, ratio_stock, ratio_bounded = working_set_check.measure_block_peaks(env.pack, block,
+                                                                                       bounded_forward, inputs, x)
     print(f"\n{what}: stock {ratio_stock:.2f}x|x|, bounded {ratio_bounded:.2f}x|x| "
           f"({bounded.peak_bytes / stock.peak_bytes:.2f} of stock)")
     working_set_check.assert_estimates(env.pack, adapter, "block", heads, tokens, ratio_stock, ratio_bounded)

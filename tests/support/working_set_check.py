@@ -42,3 +42,23 @@ def check_first_call(pack, forward, *args, **kwargs) -> None:
     run ComfyUI's own forward."""
     compat = importlib.import_module(f"{pack.__name__}.nodes.compat")
     assert compat.decide_call(forward, *args, **kwargs) is None, "the call would run ComfyUI's own forward"
+
+
+def measure_block_peaks(pack, block, bounded_forward, inputs: dict, x: str, in_place: bool = False) -> tuple:
+    """MemTracker's peaks of ComfyUI's `block` and the pack's `bounded_forward` on the keyword `inputs`, the
+    verdict of the self-check cached first (`check_first_call`, outside the measurement) and no fallback or short
+    call: (stock, bounded, ratio_stock, ratio_bounded), the ratios in multiples of |inputs[x]|. `in_place`: the
+    forwards add into `inputs[x]`, so each measured run gets its own copy, made (and kept live) before it."""
+    import torch
+    from support.comfy_env import lines_of_kind
+    memory, core = measurement_module(pack), pack.qkv_core
+    x_bytes = inputs[x].numel() * inputs[x].element_size()
+    copies = [inputs[x].clone(), inputs[x].clone()] if in_place else [inputs[x], inputs[x]]
+    live = [block, list(inputs.values()), *copies]
+    with torch.no_grad():
+        core.reset_notices()
+        check_first_call(pack, bounded_forward, **inputs)   # outside the measurement
+        assert not lines_of_kind(core.drain_notices(), core.notices.FALLBACK, core.notices.SHORT_CALL)
+        stock = memory.measure_peak(block, **{**inputs, x: copies[0]}, live=live)
+        bounded = memory.measure_peak(bounded_forward, **{**inputs, x: copies[1]}, live=live)
+    return stock, bounded, stock.peak_bytes / x_bytes, bounded.peak_bytes / x_bytes
