@@ -53,10 +53,10 @@ QUEUED_S = 20            # the Run click shows up in the queue or history
 REPORT_S = 15            # the report event / node property after the run
 
 # The tiny model: Wan 2.1 T2V as ComfyUI detects it from the state dict (comfy/model_detection.py:
-# num_heads = dim // 128, so dim 256 = 2 heads of 128), one block; text_dim is not in the state dict's shapes
-# ComfyUI reads, so it goes into the file's metadata ("config" -> "transformer"), which detection applies.
+# num_heads = dim // 128, so dim 256 = 2 heads of 128), one block; text_dim is Wan's own 4096, which detection
+# assumes (v0.33 would also read another from the file's metadata, v0.8.0 reads none).
 MODEL_FILE = "qkv_tiny_wan21_t2v.safetensors"
-TEXT_DIM = 64
+TEXT_DIM = 4096
 # 1024x1024, 5 frames -> latent 2 x 128 x 128 -> 2 x 64 x 64 = 8192 tokens with Wan's patch (1, 2, 2): long
 # enough for head_split to split (a few seconds on two CPU cores)
 WIDTH, HEIGHT, LENGTH = 1024, 1024, 5
@@ -164,7 +164,7 @@ def _write_tiny_wan(path: Path):
     from safetensors.torch import save_file
     patcher = comfy_env.make_wan("t2v", dim=256, heads=2, layers=1, ffn_dim=256, text_dim=TEXT_DIM)
     sd = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
-    save_file(sd, str(path), metadata={"config": json.dumps({"transformer": {"text_dim": TEXT_DIM}})})
+    save_file(sd, str(path))
 
 
 class ComfyServer:
