@@ -455,14 +455,8 @@ def gpu_env():
     import torch
     if os.environ.get("COMFY_ENV_GPU") != "1" or not torch.cuda.is_available():
         pytest.skip("needs CUDA and COMFY_ENV_GPU=1 (a GPU machine)")
-    root = comfy_env.find_comfyui()
-    if root is None:
-        pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
+    comfy_env.load_on_cuda()
     from benchmarks import bench
-    try:
-        bench.load_comfyui_workload(str(root), torch.device("cuda"))
-    except (ImportError, SystemExit) as e:
-        pytest.skip(f"ComfyUI at {root} does not load: {e}")
     package = bench.PACK_PACKAGE
     modules = types.SimpleNamespace(torch=torch, pack=sys.modules[package],
                                     node=importlib.import_module(f"{package}.nodes.patching"),

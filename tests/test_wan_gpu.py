@@ -21,14 +21,8 @@ WIDTH, HEADS, FFN, TOKENS, GRID = 512, 16, 1536, 16384, (4, 64, 64)
 def env():
     """The adapter loaded the way the benchmark loads it (`benchmarks.bench.load_comfyui_workload`): no
     `comfy.sample` (torchsde) and no `comfy_api` (pydantic, av) needed, so a bare GPU machine runs it."""
-    root = comfy_env.find_comfyui()
-    if root is None:
-        pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
+    comfy_env.load_on_cuda()
     from benchmarks import bench
-    try:
-        bench.load_comfyui_workload(str(root), torch.device("cuda"))
-    except (ImportError, SystemExit) as e:
-        pytest.skip(f"ComfyUI at {root} does not load: {e}")
     import comfy.ldm.wan.model as wan_model
     import comfy.ops
     modules = {name: sys.modules[f"{bench.PACK_PACKAGE}.{name}"]

@@ -301,6 +301,23 @@ def run_interpreted(script: str, timeout: int = 600) -> str:
     return done.stdout
 
 
+def load_on_cuda():
+    """ComfyUI loaded on CUDA the way the benchmark loads it (`benchmarks.bench.load_comfyui_workload`: no
+    `comfy.sample` (torchsde) and no `comfy_api` (pydantic, av) needed, so a bare GPU machine runs it), or a skip
+    saying why. Returns its root."""
+    import pytest
+    import torch
+    root = find_comfyui()
+    if root is None:
+        pytest.skip("no ComfyUI checkout found ($COMFYUI_PATH, the ComfyUI above the pack, ~/ComfyUI)")
+    from benchmarks import bench
+    try:
+        bench.load_comfyui_workload(str(root), torch.device("cuda"))
+    except (ImportError, SystemExit) as e:
+        pytest.skip(f"ComfyUI at {root} does not load: {e}")
+    return root
+
+
 def comfyui_version():
     """ComfyUI's version string (comfyui_version.py), e.g. "0.8.0"; None if unknown."""
     root = setup()
