@@ -57,8 +57,8 @@ REPORT_S = 15            # the report event / node property after the run
 # assumes (v0.33 would also read another from the file's metadata, v0.8.0 reads none).
 MODEL_FILE = "qkv_tiny_wan21_t2v.safetensors"
 TEXT_DIM = 4096
-# 1024x1024, 5 frames -> latent 2 x 128 x 128 -> 2 x 64 x 64 = 8192 tokens with Wan's patch (1, 2, 2): long
-# enough for head_split to split (a few seconds on two CPU cores)
+# 1024x1024, 5 frames -> latent 2 x 128 x 128 -> 2 x 64 x 64 = 8192 tokens with Wan's patch (1, 2, 2): under
+# Wan's split floor (16,384 tokens an item), so the report shows one head group (a few seconds on two CPU cores)
 WIDTH, HEIGHT, LENGTH = 1024, 1024, 5
 PATCH_NODE = 2           # the QKVAttentionPatch node's id in WORKFLOW
 SAVE_NODE = 6
