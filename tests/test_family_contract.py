@@ -98,18 +98,19 @@ def test_sampling_equals_stock(env, family):
 @pytest.mark.parametrize("lowvram", [False, True], ids=["full-load", "lowvram-weight-function"])
 @pytest.mark.parametrize("family", sorted(family_cases.CASES))
 def test_lora_on_the_projection_weight(env, family, lowvram):
-    """A LoRA on every weight matrix of the module that holds the case's q/k/v (or fused qkv) weight (its
-    attention's projections, the text stream's where it has one, the output; CogVideoX's whole block), merged
-    into the weights or (low-VRAM loading) applied by each layer's weight function at every call: the patched
-    model gives the LoRA's output, and none once removed."""
+    """A LoRA on every weight matrix of the block that holds the case's q/k/v (or fused qkv) weight (its
+    attentions' projections, the text stream's where it has one, the outputs, the feed-forward, the modulation),
+    merged into the weights or (low-VRAM loading) applied by each layer's weight function at every call: the
+    patched model gives the LoRA's output, and none once removed."""
+    import re
     torch = env.torch
     case = family_cases.case(family)
     plain = case_forward(case)
-    attention = case.lora_key.rsplit(".", 2)[0] + "."
+    block = re.match(r"(diffusion_model\.[a-z_]+\.\d+)\.", case.lora_key).group(1)
     g = torch.Generator().manual_seed(3)
-    patches = {key: (torch.randn(weight.shape, generator=g) * 0.05,)
-               for key, weight in case.patcher.model.state_dict().items()
-               if key.startswith(attention) and key.endswith(".weight") and weight.dim() == 2}
+    patches = {f"{block}.{name}": (torch.randn(weight.shape, generator=g) * 0.05,)
+               for name, weight in case.patcher.model.get_submodule(block).named_parameters()
+               if name.endswith("weight") and weight.dim() == 2}
     assert case.lora_key in patches
     lora = case.patcher.clone()
     lora.add_patches(patches, 1.0)

@@ -251,19 +251,6 @@ def test_norms_without_epsilon_in_the_fused_triton_pass():
     assert float(found.group(1)) <= 2e-2   # bf16 round-off: the kernel rounds the norm once, as torch does
 
 
-def _lora_patches(torch, model, seed=3):
-    """A LoRA-like difference on layer 0's fused qkv, its output projection, its SwiGLU's three layers and
-    its q norm."""
-    g = torch.Generator().manual_seed(seed)
-    names = ("attention.qkv", "attention.out", "attention.q_norm", "feed_forward.w1", "feed_forward.w2",
-             "feed_forward.w3")
-    patches = {}
-    for name in names:
-        key = f"diffusion_model.layers.0.{name}.weight"
-        patches[key] = (torch.randn(model.get_parameter(key).shape, generator=g) * 0.05,)
-    return patches
-
-
 def test_another_nodes_hook_on_a_part_runs_the_stock_block(env, split_everything):
     """A forward hook another node put on a block's feed-forward: that block runs ComfyUI's forward (which
     calls the hook); the others and every attention stay the pack's."""

@@ -206,18 +206,6 @@ def test_mageflow_blocks_are_patched(env, split_everything):
     check_every_level(env, base, inputs, layers=1)
 
 
-def _lora_patches(torch, model, seed=3):
-    """A LoRA-like difference on block 0's q/k/v of both streams, its output projections and its image MLP."""
-    g = torch.Generator().manual_seed(seed)
-    names = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-             "attn.to_out.0", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2")
-    patches = {}
-    for name in names:
-        key = f"diffusion_model.transformer_blocks.0.{name}.weight"
-        patches[key] = (torch.randn(model.get_parameter(key).shape, generator=g) * 0.05,)
-    return patches
-
-
 def test_sampling_an_edit_gives_the_same_latent(env, split_everything):
     """3 steps of `comfy.sample.sample` with a reference latent (Qwen-Image-Edit), cond and uncond batched."""
     torch = env.torch
